@@ -1,0 +1,102 @@
+"""The lossless block speculative loop (DESIGN.md §2), one cycle at a time.
+
+``SpeculativeDecoder`` owns the target cache. Each ``cycle()`` asks a proposer
+for b-1 tokens after the pending token y, verifies [y, d_1..d_{b-1}] in one
+target pass, keeps the longest prefix that matches the target's own greedy
+choices plus the target's bonus token, rolls the cache back exactly and hands
+the accepted positions' features to the proposer. The host reads one small
+result per cycle.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from .draft import DFlashDraft
+from .target import Target
+
+
+class Proposer(Protocol):
+    """Anything that proposes block tokens: the DFlash draft, or a test oracle."""
+
+    def observe(self, features: mx.array) -> None:
+        """Features [1, T, k*H] of the next T committed positions."""
+
+    def propose(self, y: mx.array, block_size: int) -> mx.array:
+        """b-1 proposed tokens (int32 [b-1]) following token y ([1])."""
+
+
+class DraftProposer:
+    """Proposes with a DFlash draft that borrows the target's embedding and head."""
+
+    def __init__(self, draft: DFlashDraft, target: Target):
+        self.draft = draft
+        self.target = target
+        self.cache = draft.make_cache()
+        self.mask_token_id = draft.config.mask_token_id
+
+    def observe(self, features: mx.array) -> None:
+        self.draft.inject(features, self.cache)
+
+    def propose(self, y: mx.array, block_size: int) -> mx.array:
+        masks = mx.full((block_size - 1,), self.mask_token_id, dtype=y.dtype)
+        block = mx.concatenate([y, masks])[None]
+        hidden = self.draft(self.target.embed(block), self.cache)
+        logits = self.target.logits(hidden[:, 1:])
+        return mx.argmax(logits[0], axis=-1).astype(y.dtype)
+
+
+@dataclass
+class Cycle:
+    tokens: list[int]  # committed this cycle: accepted drafts, then the target's token
+    accepted: int  # how many drafted tokens were accepted
+
+
+class SpeculativeDecoder:
+    """Prefill, then verify-and-commit cycles over one target cache."""
+
+    def __init__(
+        self,
+        target: Target,
+        proposer: Proposer,
+        layer_ids: list[int],
+        block_size: int,
+        prefill_step_size: int = 2048,
+    ):
+        self.target = target
+        self.proposer = proposer
+        self.layer_ids = layer_ids
+        self.block_size = block_size
+        self.prefill_step_size = prefill_step_size
+        self.cache = target.make_cache()
+        self.pending: mx.array | None = None  # y: chosen but not yet fed to the target
+
+    def prefill(self, prompt: mx.array) -> int:
+        """Feed the prompt in chunks; return the first generated token."""
+        for start in range(0, prompt.size, self.prefill_step_size):
+            chunk = prompt[start : start + self.prefill_step_size][None]
+            out = self.target.forward(chunk, self.cache, self.layer_ids)
+            self.proposer.observe(out.features)
+            mx.eval([c.state for c in self.cache], out.hidden)
+            mx.clear_cache()
+        logits = self.target.logits(out.hidden[:, -1])
+        self.pending = mx.argmax(logits, axis=-1).astype(mx.int32)
+        return self.pending.item()
+
+    def cycle(self) -> Cycle:
+        """One draft + verify + commit cycle; returns the committed tokens."""
+        y = self.pending
+        drafted = self.proposer.propose(y, self.block_size)
+        block = mx.concatenate([y, drafted])[None]
+        out = self.target.forward(block, self.cache, self.layer_ids, record=True)
+        choices = mx.argmax(self.target.logits(out.hidden[0]), axis=-1).astype(mx.int32)
+        matches = (drafted == choices[:-1]).astype(mx.int32)
+        accepted = mx.cumprod(matches).sum()
+        mx.eval(accepted, choices, drafted)
+        a = accepted.item()
+        tokens = drafted[:a].tolist() + [choices[a].item()]
+        self.target.rollback(self.cache, out, a + 1)
+        self.proposer.observe(out.features[:, : a + 1])
+        self.pending = choices[a : a + 1]
+        return Cycle(tokens, a)

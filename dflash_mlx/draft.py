@@ -1,0 +1,252 @@
+"""The DFlash draft network (DESIGN.md §2) and its config (both dialects, §3).
+
+The draft has no embedding and no LM head: it borrows the target's. Target
+features are fused by ``fc`` + ``hidden_norm`` and injected as keys/values into
+every layer's context cache; the block attends, without a causal mask, to
+[context ; block]. Block positions are never left in the cache.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .errors import DFlashError
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published default: n ids spread evenly over target layers 1..L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [
+        int(round(start + i * span / (num_draft_layers - 1)))
+        for i in range(num_draft_layers)
+    ]
+
+
+@dataclass
+class DraftConfig:
+    """Everything the draft needs, parsed from either config dialect."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    num_target_layers: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    rope_theta: float
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 32768
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: Optional[int] = None
+    attention_bias: bool = False
+    quantization: Optional[dict] = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
+        """Parse a z-lab (newer or older dialect) or converted MLX config."""
+        dflash = cfg.get("dflash_config") or {}
+
+        def need(key, source=cfg, where="config.json"):
+            if key not in source:
+                raise DFlashError(f"draft {where} has no '{key}' field")
+            return source[key]
+
+        n = int(need("num_hidden_layers"))
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        num_target_layers = int(need("num_target_layers"))
+        rope = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+            rope_scaling = rope
+        if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
+            raise DFlashError("draft config.json has no 'dflash_config.mask_token_id' field")
+        layer_types = list(cfg.get("layer_types") or [FULL] * n)
+        config = cls(
+            hidden_size=hidden,
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(need("intermediate_size")),
+            vocab_size=int(need("vocab_size")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_target_layers=num_target_layers,
+            block_size=int(dflash.get("block_size", cfg.get("block_size", 16))),
+            mask_token_id=int(dflash.get("mask_token_id", cfg.get("mask_token_id"))),
+            target_layer_ids=[
+                int(i)
+                for i in dflash.get("target_layer_ids")
+                or default_target_layer_ids(num_target_layers, n)
+            ],
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            layer_types=layer_types,
+            sliding_window=cfg.get("sliding_window"),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            quantization=cfg.get("quantization"),
+        )
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DFlashError(
+                f"draft config has {len(self.layer_types)} layer_types for "
+                f"{self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {SLIDING, FULL}
+        if unknown:
+            raise DFlashError(f"draft config has unknown layer_types {sorted(unknown)}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise DFlashError("draft config has sliding_attention layers but no sliding_window")
+        if self.block_size < 2:
+            raise DFlashError(f"draft config block_size is {self.block_size}; it must be >= 2")
+        if not self.target_layer_ids:
+            raise DFlashError("draft config has an empty target_layer_ids")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The newer z-lab dialect, as converted drafts store it."""
+        cfg = {
+            "model_type": "qwen3",
+            "architectures": ["DFlashDraftModel"],
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "num_target_layers": self.num_target_layers,
+            "max_position_embeddings": self.max_position_embeddings,
+            "layer_types": self.layer_types,
+            "sliding_window": self.sliding_window,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rope_scaling": self.rope_scaling,
+            "dflash_config": {
+                "block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": self.target_layer_ids,
+            },
+        }
+        if self.quantization is not None:
+            cfg["quantization"] = self.quantization
+        return cfg
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the concatenated target features: k * hidden_size."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+
+class DraftAttention(nn.Module):
+    """Qwen3 attention whose keys/values are [injected context ; block]."""
+
+    def __init__(self, config: DraftConfig, sliding_window: Optional[int]):
+        super().__init__()
+        dim, hd = config.hidden_size, config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = hd
+        self.scale = hd**-0.5
+        self.sliding_window = sliding_window
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd,
+            config.rope_theta,
+            False,
+            config.rope_scaling,
+            config.max_position_embeddings,
+        )
+
+    def keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """K = rope(k_norm(k_proj x)) at positions offset.., V = v_proj x."""
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1))
+        k = self.rope(k.transpose(0, 2, 1, 3), offset=offset)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return k, v
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        B, L, _ = x.shape
+        offset = cache.offset
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
+        cache.trim(L)  # the block is attended to, never kept
+        if self.sliding_window is not None:
+            keys = keys[..., -(self.sliding_window + L) :, :]
+            values = values[..., -(self.sliding_window + L) :, :]
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DraftConfig, layer_type: str):
+        super().__init__()
+        window = config.sliding_window if layer_type == SLIDING else None
+        self.self_attn = DraftAttention(config, window)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    """The draft network; tensor names match the z-lab checkpoints."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        self.layers = [DraftLayer(config, t) for t in config.layer_types]
+        self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_cache(self) -> list[KVCache]:
+        """One context cache per layer; it only ever holds context positions."""
+        return [KVCache() for _ in self.layers]
+
+    def inject(self, features: mx.array, cache: list[KVCache]) -> None:
+        """Append target features [B, T, k*H] (the next T positions) to every layer's cache."""
+        ctx = self.hidden_norm(self.fc(features))
+        for layer, c in zip(self.layers, cache):
+            c.update_and_fetch(*layer.self_attn.keys_values(ctx, c.offset))
+
+    def __call__(self, block_embeddings: mx.array, cache: list[KVCache]) -> mx.array:
+        """Final-normed hidden states [B, b, H] for a block placed right after the context."""
+        h = block_embeddings
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)
+        return self.norm(h)

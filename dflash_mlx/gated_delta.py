@@ -1,0 +1,88 @@
+"""Exact rollback for Qwen3.5/3.6 GatedDeltaNet layers.
+
+The verify pass runs the layer's own submodules in the same order as
+``mlx_lm.models.qwen3_5.GatedDeltaNet`` and records the conv input and the
+per-step q, k, v, a, b together with the state it started from. Rollback to
+``keep`` accepted tokens then slices the conv window and replays only ``keep``
+recurrence steps with mlx-lm's ``gated_delta_update``: no re-forward of the
+projections, and bit-identical to the state the verify pass passed through.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+
+@dataclass
+class GatedDeltaRecord:
+    conv_input: mx.array  # [B, K-1+T, conv_dim]: old conv window then the block
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    a: mx.array
+    b: mx.array
+    state: Optional[mx.array]  # recurrent state before the block
+    layer: nn.Module  # the GatedDeltaNet (for A_log, dt_bias, kernel choice)
+
+
+def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
+    """GatedDeltaNet forward over [B, T, H] that also returns its record."""
+    if mask is not None or cache.lengths is not None:
+        raise NotImplementedError("padded batches are not supported in verification")
+    B, S, _ = x.shape
+    qkv = gdn.in_proj_qkv(x)
+    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    b = gdn.in_proj_b(x)
+    a = gdn.in_proj_a(x)
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1) :, :])
+    conv_out = nn.silu(gdn.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    state = cache[1]
+    out, cache[1] = gated_delta_update(
+        q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
+    )
+    cache.advance(S)
+    out = gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1))
+    return out, GatedDeltaRecord(conv_input, q, k, v, a, b, state, gdn)
+
+
+def recording_layer(layer: nn.Module, x: mx.array, mask, cache: ArraysCache):
+    """A qwen3_5 decoder layer whose GatedDeltaNet records for rollback."""
+    r, record = recording_attention(layer.linear_attn, layer.input_layernorm(x), mask, cache)
+    h = x + r
+    return h + layer.mlp(layer.post_attention_layernorm(h)), record
+
+
+def restore(cache: ArraysCache, record: GatedDeltaRecord, keep: int) -> None:
+    """Set ``cache`` to its state after the first ``keep`` recorded steps."""
+    window = record.conv_input.shape[1] - record.q.shape[1]
+    cache[0] = mx.contiguous(record.conv_input[:, keep : keep + window, :])
+    gdn = record.layer
+    _, cache[1] = gated_delta_update(
+        record.q[:, :keep],
+        record.k[:, :keep],
+        record.v[:, :keep],
+        record.a[:, :keep],
+        record.b[:, :keep],
+        gdn.A_log,
+        gdn.dt_bias,
+        record.state,
+        None,
+        use_kernel=not gdn.training,
+    )

@@ -1,0 +1,201 @@
+"""Public generation API: ``stream_generate`` and ``generate``.
+
+A superset of z-lab's ``dflash.model_mlx.stream_generate``: same call shape,
+with per-cycle acceptance and timing in every response.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Generator, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .decoder import DraftProposer, SpeculativeDecoder
+from .draft import DFlashDraft
+from .errors import DFlashError
+from .target import Target
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed step: the tokens committed by one cycle (or by prefill)."""
+
+    text: str  # new text segment
+    tokens: list[int]  # ids emitted this step
+    accepted: int  # draft tokens accepted this cycle (0 for the prefill token)
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int  # emitted so far
+    generation_tps: float
+    peak_memory: float  # GB, from mx.get_peak_memory
+    finish_reason: Optional[str] = None  # "stop" | "length" | None
+
+
+@dataclass
+class GenerationResult:
+    """The whole output of ``generate``."""
+
+    text: str
+    tokens: list[int]
+    acceptance_lengths: list[int] = field(default_factory=list)  # a+1 per cycle
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0
+
+    @property
+    def mean_acceptance(self) -> float:
+        """tau: mean tokens committed per verify cycle."""
+        lengths = self.acceptance_lengths
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def check_pair(target: Target, draft: DFlashDraft) -> None:
+    """Raise a one-line DFlashError if the draft was not made for this target."""
+    cfg = draft.config
+    if cfg.hidden_size != target.hidden_size:
+        raise DFlashError(
+            f"draft hidden_size {cfg.hidden_size} does not match the target's "
+            f"{target.hidden_size}; use the draft made for this target"
+        )
+    if cfg.vocab_size != target.vocab_size:
+        raise DFlashError(
+            f"draft vocab_size {cfg.vocab_size} does not match the target's "
+            f"{target.vocab_size}; use the draft made for this target"
+        )
+    if cfg.num_target_layers != target.num_layers:
+        raise DFlashError(
+            f"draft num_target_layers {cfg.num_target_layers} does not match the "
+            f"target's {target.num_layers} layers; use the draft made for this target"
+        )
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise DFlashError(
+            f"draft target_layer_ids {bad} are out of range for a "
+            f"{target.num_layers}-layer target"
+        )
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise DFlashError(
+            f"draft mask_token_id {cfg.mask_token_id} is outside the target vocabulary"
+        )
+
+
+def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt))
+    ids = ids.reshape(-1).astype(mx.int32)
+    if ids.size == 0:
+        raise DFlashError("the prompt is empty; give at least one token")
+    return ids
+
+
+def stream_generate(
+    model: Union[nn.Module, Target],
+    draft: DFlashDraft,
+    tokenizer,
+    prompt: Union[str, list[int], mx.array],
+    block_size: Optional[int] = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    prefill_step_size: int = 2048,
+    min_p: float = 0.0,
+    seed: Optional[int] = None,
+) -> Generator[GenerationResponse, None, None]:
+    """Generate with DFlash speculative decoding, one response per verify cycle.
+
+    At temperature 0 the tokens are exactly the target's own greedy tokens.
+    ``prompt`` is a string (encoded as is, no chat template), a list of ids or
+    an ``mx.array``. Generation stops at EOS (not emitted) or after exactly
+    ``max_tokens`` tokens.
+    """
+    if temperature < 0:
+        raise DFlashError(f"temperature must be >= 0, got {temperature}")
+    if temperature > 0:
+        raise DFlashError(
+            "temperature > 0 is not supported yet (lossless sampling is not implemented); "
+            "use temperature=0"
+        )
+    if max_tokens <= 0:
+        raise DFlashError(f"max_tokens must be positive, got {max_tokens}")
+    if prefill_step_size <= 0:
+        raise DFlashError(f"prefill_step_size must be positive, got {prefill_step_size}")
+    target = model if isinstance(model, Target) else Target(model)
+    check_pair(target, draft)
+    block_size = block_size or draft.config.block_size
+    if block_size < 2:
+        raise DFlashError(f"block_size must be at least 2, got {block_size}")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    prompt_ids = _encode(tokenizer, prompt)
+    eos = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+
+    decoder = SpeculativeDecoder(
+        target,
+        DraftProposer(draft, target),
+        draft.config.target_layer_ids,
+        block_size,
+        prefill_step_size,
+    )
+    with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
+        tic = time.perf_counter()
+        committed = [decoder.prefill(prompt_ids)]
+        prompt_tps = prompt_ids.size / (time.perf_counter() - tic)
+        tic = time.perf_counter()
+        accepted = 0
+        generated = 0
+        while True:
+            emitted, finish = [], None
+            for token in committed:
+                if token in eos:
+                    finish = "stop"
+                    break
+                emitted.append(token)
+                if generated + len(emitted) == max_tokens:
+                    finish = "length"
+                    break
+            for token in emitted:
+                detokenizer.add_token(token)
+            if finish:
+                detokenizer.finalize()
+            generated += len(emitted)
+            yield GenerationResponse(
+                text=detokenizer.last_segment,
+                tokens=emitted,
+                accepted=accepted,
+                prompt_tokens=prompt_ids.size,
+                prompt_tps=prompt_tps,
+                generation_tokens=generated,
+                generation_tps=generated / (time.perf_counter() - tic),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+            )
+            if finish:
+                return
+            cycle = decoder.cycle()
+            committed, accepted = cycle.tokens, cycle.accepted
+
+
+def generate(model, draft, tokenizer, prompt, **kwargs) -> GenerationResult:
+    """Run ``stream_generate`` to the end; same arguments."""
+    result = GenerationResult(text="", tokens=[])
+    for i, r in enumerate(stream_generate(model, draft, tokenizer, prompt, **kwargs)):
+        result.text += r.text
+        result.tokens += r.tokens
+        if i > 0:
+            result.acceptance_lengths.append(r.accepted + 1)
+        result.finish_reason = r.finish_reason
+        result.prompt_tokens = r.prompt_tokens
+        result.prompt_tps = r.prompt_tps
+        result.generation_tps = r.generation_tps
+        result.peak_memory = r.peak_memory
+    return result

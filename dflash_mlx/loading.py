@@ -1,0 +1,71 @@
+"""Finding and loading targets and drafts, from local directories or the hub."""
+
+import json
+from pathlib import Path
+
+import mlx.nn as nn
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_model
+
+from .draft import DFlashDraft, DraftConfig
+from .errors import DFlashError
+
+DRAFT_FILES = ["*.json", "*.safetensors"]
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def resolve(path_or_repo: str, what: str, allow_patterns: list[str] | None = None) -> Path:
+    """A local directory as is; otherwise a hub repo id fetched with huggingface_hub."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise DFlashError(f"{what} path '{path}' is not a directory")
+        return path
+    if str(path_or_repo).startswith((".", "/", "~")) or str(path_or_repo).count("/") != 1:
+        raise DFlashError(f"{what} '{path_or_repo}' is neither a local directory nor a hub repo id")
+    try:
+        return Path(snapshot_download(path_or_repo, allow_patterns=allow_patterns))
+    except HFValidationError:
+        raise DFlashError(f"{what} '{path_or_repo}' is not a valid hub repo id") from None
+    except Exception as e:  # offline, unknown repo, HTTP failure: all the same to the user
+        raise DFlashError(
+            f"cannot download {what} '{path_or_repo}' from the Hugging Face hub "
+            f"({type(e).__name__}); check the name and your network, or pass a local "
+            "directory"
+        ) from None
+
+
+def load(path_or_repo: str, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapper]:
+    """Load a target model and tokenizer with mlx-lm (local path or hub repo)."""
+    path = resolve(path_or_repo, "target")
+    try:
+        return mlx_lm_load(str(path), lazy=lazy)
+    except Exception as e:
+        raise DFlashError(f"cannot load target from '{path}': {_one_line(e)}") from None
+
+
+def load_draft(path_or_repo: str, lazy: bool = False) -> DFlashDraft:
+    """Load a DFlash draft: the z-lab HF layout (either config dialect) or the
+    MLX layout written by ``dflash-mlx convert`` (optionally quantized)."""
+    path = resolve(path_or_repo, "draft", DRAFT_FILES)
+    if not (path / "config.json").is_file():
+        raise DFlashError(f"draft directory '{path}' has no config.json")
+    if not list(path.glob("model*.safetensors")):
+        raise DFlashError(f"draft directory '{path}' has no model*.safetensors weights")
+    try:
+        model, _ = load_model(
+            path, lazy=lazy, get_model_classes=lambda config: (DFlashDraft, DraftConfig)
+        )
+    except DFlashError:
+        raise
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"draft config '{path / 'config.json'}' is not valid JSON: {e}") from None
+    except Exception as e:
+        raise DFlashError(f"cannot load draft from '{path}': {_one_line(e)}") from None
+    return model
