@@ -5,7 +5,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_model
@@ -33,12 +33,15 @@ def resolve(path_or_repo: str, what: str, allow_patterns: list[str] | None = Non
         return Path(snapshot_download(path_or_repo, allow_patterns=allow_patterns))
     except HFValidationError:
         raise DFlashError(f"{what} '{path_or_repo}' is not a valid hub repo id") from None
-    except Exception as e:  # offline, unknown repo, HTTP failure: all the same to the user
-        raise DFlashError(
-            f"cannot download {what} '{path_or_repo}' from the Hugging Face hub "
-            f"({type(e).__name__}); check the name and your network, or pass a local "
-            "directory"
-        ) from None
+    except LocalEntryNotFoundError:
+        reason = "it is not in the local cache and the hub cannot be reached (offline?)"
+    except RepositoryNotFoundError:
+        reason = "no such repository, or it needs a login"
+    except Exception as e:  # any other HTTP or filesystem failure
+        reason = _one_line(e)
+    raise DFlashError(
+        f"cannot download {what} '{path_or_repo}': {reason}; pass a local directory instead"
+    )
 
 
 def load(path_or_repo: str, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapper]:
