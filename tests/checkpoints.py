@@ -1,0 +1,364 @@
+"""Tiny deterministic checkpoints in the real on-disk formats, built on the fly.
+
+Targets are mlx-lm models saved with mlx-lm's own writers; drafts follow the
+z-lab Hugging Face layout (DESIGN.md section 3). Nothing touches the network.
+"""
+
+import copy
+import importlib
+import itertools
+import json
+import string
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.utils import save_config, save_model
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+MASK_TOKEN = "<mask>"  # always the last id, vocab_size - 1
+# transformers' Qwen2/Qwen3.5 pre-tokenizer split.
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|{{ message['role'] }}|> {{ message['content'] }} {{ eos_token }} "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WORDS = """
+the quick brown fox jumps over lazy dog hello world what is capital of france
+write short story about cat who and to in it you that he was for on are with
+as his they be at one have this from or had by word but some we can out other
+were all there when up use your how said an each she which do their time if
+will way many then them would like so these her long make thing see him two
+has look more day could go come did number sound no most people my know water
+than call first may down side been now find any new work part take get place
+""".split()
+
+DRAFT_HEADS, DRAFT_KV_HEADS, DRAFT_HEAD_DIM, DRAFT_INTERMEDIATE = 4, 2, 16, 128
+
+_BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "attention_bias": False,
+}
+_FAMILY = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 6,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_hidden_layers": 6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_hidden_layers": 4,
+        "rope_theta": 1000000.0,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_5": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "tie_word_embeddings": True,
+    },
+    "qwen3_5_moe": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "tie_word_embeddings": False,
+    },
+}
+_QWEN3_5_TEXT = {
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
+}
+_QWEN3_5_MOE_TEXT = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "norm_topk_prob": True,
+}
+
+EMBED_STD = 0.1
+FINAL_NORM = 16.0  # with EMBED_STD: logits of std ~13, i.e. peaked next-token distributions
+LINEAR_STD = 0.2
+
+
+def text_config(config: dict) -> dict:
+    """The language-model part of a target config (``text_config`` for qwen3_5)."""
+    return config.get("text_config", config)
+
+
+def _byte_char(b: int) -> str:
+    """GPT-2 byte-level symbol of byte ``b`` (valid for b <= 126)."""
+    return chr(b) if 33 <= b <= 126 else chr(256 + b)
+
+
+def _bpe_vocab(vocab_size: int) -> tuple[list[str], list[tuple[str, str]]]:
+    """Specials, ASCII byte symbols, then space-prefixed words grown one merge at a time."""
+    vocab = SPECIAL_TOKENS + [_byte_char(b) for b in [10, *range(32, 127)]]
+    merges, known = [], set(vocab)
+    filler = ("".join(p) for n in (2, 3) for p in itertools.product(string.ascii_lowercase, repeat=n))
+    for word in itertools.chain(WORDS, filler):
+        piece = _byte_char(32)
+        for ch in word:
+            if len(vocab) >= vocab_size - 1:
+                return vocab + [MASK_TOKEN], merges
+            if piece + ch not in known:
+                known.add(piece + ch)
+                vocab.append(piece + ch)
+                merges.append((piece, ch))
+            piece += ch
+    raise ValueError(f"vocab_size {vocab_size} is too large")
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """Write a byte-level BPE tokenizer with exactly ``vocab_size`` ids.
+
+    The pipeline is the one transformers' Qwen3_5Tokenizer rebuilds from
+    tokenizer.json (it ignores the file's own pipeline for qwen3_5 configs), so
+    every family tokenizes alike. BOS is prepended; ``<mask>`` is the last id;
+    every id decodes to non-empty ASCII text.
+    """
+    vocab, merges = _bpe_vocab(vocab_size)
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS + [MASK_TOKEN])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)]
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "</s>",
+        "mask_token": MASK_TOKEN,
+        "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def _target_config(family: str, overrides: dict) -> dict:
+    """The Hugging Face style config.json of a tiny target."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    config = {"model_type": family, **copy.deepcopy(_FAMILY[family])}
+    if not family.startswith("qwen3_5"):
+        return {**_BASE, **config, **overrides}
+    text = {**_BASE, **copy.deepcopy(_QWEN3_5_TEXT), "model_type": family + "_text"}
+    if family == "qwen3_5_moe":
+        text.update(_QWEN3_5_MOE_TEXT)
+    text = {**text, "tie_word_embeddings": config["tie_word_embeddings"], **overrides}
+    config["tie_word_embeddings"] = text["tie_word_embeddings"]
+    return {**config, "text_config": text}
+
+
+def _init_weights(model, seed: int) -> None:
+    """Overwrite every parameter with seeded values (norms near 1, final norm large)."""
+    rng = np.random.default_rng(seed)
+    params = []
+    for name, p in sorted(tree_flatten(model.parameters())):
+        if "embed_tokens" in name or "lm_head" in name:
+            w = rng.normal(0.0, EMBED_STD, p.shape)
+            w[[*range(len(SPECIAL_TOKENS)), -1]] *= 0.1  # specials and <mask>: rarely predicted
+        elif name.endswith("model.norm.weight"):
+            w = FINAL_NORM * (1.0 + 0.1 * rng.normal(size=p.shape))
+        elif name.endswith("A_log"):
+            w = np.log(rng.uniform(1.0, 16.0, p.shape))
+        elif p.ndim == 1:
+            w = 1.0 + 0.1 * rng.normal(size=p.shape)
+        elif "conv1d" in name:
+            w = rng.normal(0.0, 0.5, p.shape)
+        else:
+            w = rng.normal(0.0, LINEAR_STD, p.shape)
+        params.append((name, mx.array(w.astype(np.float32))))
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+
+
+def build_target(family: str, seed: int = 0, **overrides):
+    """Build a tiny float32 mlx-lm target of ``family`` in memory: (model, config).
+
+    ``overrides`` update the (text) config.
+    """
+    config = _target_config(family, overrides)
+    arch = importlib.import_module(f"mlx_lm.models.{family}")
+    # ModelArgs may edit nested dicts (qwen3_5 renames rope_type), so use a copy.
+    model = arch.Model(arch.ModelArgs.from_dict(copy.deepcopy(config)))
+    _init_weights(model, seed)
+    return model, config
+
+
+def write_target(path: Path, family: str, seed: int = 0, **overrides) -> dict:
+    """Save ``build_target(family, seed, **overrides)`` with mlx-lm's writers plus a tokenizer.
+
+    ``mlx_lm.load(str(path))`` gives the same model back. Returns the config.
+    """
+    model, config = build_target(family, seed, **overrides)
+    path = Path(path)
+    save_model(path, model)
+    save_config(dict(config), path / "config.json")
+    write_tokenizer(path, text_config(config)["vocab_size"])
+    return config
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default ids, clamped to the target's layers and kept distinct if possible."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    for j in range(1, n):
+        ids[j] = max(ids[j], ids[j - 1] + 1)
+    for j in range(n):
+        ids[j] = min(ids[j], L - n + j)
+    return [min(max(i, 0), L - 1) for i in ids]
+
+
+def draft_tensor_shapes(hidden_size: int, num_layers: int, num_features: int) -> dict:
+    """Name -> shape of every tensor in a DFlash draft (11 per layer + 3)."""
+    H, I, D = hidden_size, DRAFT_INTERMEDIATE, DRAFT_HEAD_DIM
+    shapes = {}
+    for i in range(num_layers):
+        a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        shapes.update({
+            f"{a}.q_proj.weight": (DRAFT_HEADS * D, H),
+            f"{a}.k_proj.weight": (DRAFT_KV_HEADS * D, H),
+            f"{a}.v_proj.weight": (DRAFT_KV_HEADS * D, H),
+            f"{a}.o_proj.weight": (H, DRAFT_HEADS * D),
+            f"{a}.q_norm.weight": (D,),
+            f"{a}.k_norm.weight": (D,),
+            f"{m}.gate_proj.weight": (I, H),
+            f"{m}.up_proj.weight": (I, H),
+            f"{m}.down_proj.weight": (H, I),
+            f"layers.{i}.input_layernorm.weight": (H,),
+            f"layers.{i}.post_attention_layernorm.weight": (H,),
+        })
+    shapes.update({
+        "fc.weight": (H, num_features * H),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+    })
+    return shapes
+
+
+def write_draft(
+    path: Path,
+    target_config: dict,
+    *,
+    dialect: str = "new",
+    num_layers: int = 2,
+    block_size: int = 8,
+    target_layer_ids: list[int] | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    omit: tuple[str, ...] = (),
+) -> dict:
+    """Write a z-lab style DFlash draft (config.json + model.safetensors) for a target.
+
+    ``dialect`` is "new" (``dflash_config`` holds block_size, ``rope_parameters``)
+    or "old" (flat block_size / rope_theta / rope_scaling). ``omit`` drops the
+    named tensors. Returns the config.
+    """
+    if dialect not in ("new", "old"):
+        raise ValueError(f"unknown dialect {dialect!r}")
+    target = text_config(target_config)
+    H, L, V = target["hidden_size"], target["num_hidden_layers"], target["vocab_size"]
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(L, num_layers)
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": H,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": DRAFT_HEADS,
+        "num_key_value_heads": DRAFT_KV_HEADS,
+        "head_dim": DRAFT_HEAD_DIM,
+        "intermediate_size": DRAFT_INTERMEDIATE,
+        "hidden_act": "silu",
+        "vocab_size": V,
+        "rms_norm_eps": 1e-6,
+        "num_target_layers": L,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 4096,
+        "attention_bias": False,
+        "torch_dtype": dtype,
+    }
+    dflash = {"mask_token_id": V - 1, "target_layer_ids": list(target_layer_ids)}
+    if dialect == "new":
+        config["dflash_config"] = {"block_size": block_size, **dflash}
+        config["rope_parameters"] = {"rope_theta": 1000000.0, "rope_type": "default"}
+    else:
+        config["dflash_config"] = dflash
+        config.update(block_size=block_size, rope_theta=1000000.0, rope_scaling=None)
+    if layer_types is not None:
+        config["layer_types"] = list(layer_types)
+    if sliding_window is not None:
+        config["sliding_window"] = sliding_window
+
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in draft_tensor_shapes(H, num_layers, len(target_layer_ids)).items():
+        if len(shape) == 1:
+            w = 1.0 + 0.05 * rng.normal(size=shape)
+        else:
+            w = rng.normal(0.0, 0.05, shape)
+        if name not in omit:
+            weights[name] = mx.array(w.astype(np.float32)).astype(getattr(mx, dtype))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return config

@@ -1,0 +1,204 @@
+"""The speculative loop: lossless against mlx-lm, exact rollback at every
+acceptance length, and the features the draft is handed."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
+
+from dflash_mlx import Target, generate, load_draft
+from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder
+
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
+PROMPTS = [
+    "the quick brown fox",
+    "write a short story about a cat who",
+    "hello",
+]
+NEAR_TIE = 1e-3  # logit gap below which float reassociation may flip an argmax
+
+
+@pytest.fixture(scope="module")
+def pairs(target_dirs, draft_dir):
+    """family -> (target dir, draft dir); the draft has a sliding-window layer."""
+    return {
+        family: (
+            target_dirs[family],
+            draft_dir(
+                family, "old" if family == "qwen3_5" else "new", block_size=16,
+                layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+            ),
+        )
+        for family in FAMILIES
+    }
+
+
+_loaded = {}
+
+
+def loaded(pairs, family):
+    if family not in _loaded:
+        target_dir, draft_dir = pairs[family]
+        model, tokenizer = mlx_lm_load(str(target_dir))
+        _loaded[family] = (model, tokenizer, load_draft(str(draft_dir)))
+    return _loaded[family]
+
+
+def greedy_reference(model, prompt_ids, n):
+    return [t for t, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n)]
+
+
+def assert_same_or_near_tie(model, prompt_ids, got, want):
+    """Token-identical, or the first divergence is a float near-tie of the target."""
+    if got == want:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+    logits = model(mx.array(prompt_ids + want[:i])[None])[0, -1]
+    gap = abs((logits[got[i]] - logits[want[i]]).item())
+    assert gap < NEAR_TIE, f"diverged at token {i}: {got[i]} vs {want[i]}, logit gap {gap}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_greedy_output_is_mlx_lm_greedy_output(pairs, family, block_size):
+    model, tokenizer, draft = loaded(pairs, family)
+    eos = tokenizer.eos_token_id
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        want = greedy_reference(model, ids, 64)
+        if eos in want:
+            want = want[: want.index(eos)]
+        res = generate(model, draft, tokenizer, prompt, max_tokens=64, block_size=block_size)
+        assert len(set(want)) > 8, "fixture too degenerate to prove anything"
+        assert_same_or_near_tie(model, ids, res.tokens, want)
+        assert res.finish_reason == ("length" if len(want) == 64 else "stop")
+        assert sum(res.acceptance_lengths) >= len(res.tokens) - 1
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation, corrupted at one index."""
+
+    def __init__(self, prompt_len, continuation, corrupt_at, vocab_size):
+        self.position = 0
+        self.prompt_len = prompt_len
+        self.continuation = continuation
+        self.corrupt_at = corrupt_at
+        self.vocab_size = vocab_size
+
+    def observe(self, features):
+        self.position += features.shape[1]
+
+    def propose(self, y, block_size):
+        start = self.position - self.prompt_len + 1  # index of d_1 in the continuation
+        tokens = list(self.continuation[start : start + block_size - 1])
+        if self.corrupt_at is not None:
+            tokens[self.corrupt_at] = (tokens[self.corrupt_at] + 1) % self.vocab_size
+        return mx.array(tokens, dtype=mx.int32)
+
+
+def assert_cache_equals_fresh_prefill(model, cache, committed):
+    fresh = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    model(mx.array(committed)[None], cache=fresh)
+    for i, (c, f) in enumerate(zip(cache, fresh)):
+        if isinstance(c, KVCache):
+            assert c.offset == f.offset == len(committed)
+            for a, b in zip(c.keys_and_values(), f.keys_and_values()):
+                assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), f"layer {i} KV"
+        else:  # GatedDeltaNet: conv window and recurrent state
+            for j in range(2):
+                assert c[j].shape == f[j].shape
+                assert mx.allclose(c[j], f[j], rtol=1e-5, atol=1e-5).item(), f"layer {i} state {j}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_rollback_at_every_acceptance_length(pairs, family, block_size):
+    model, tokenizer, draft = loaded(pairs, family)
+    target = Target(model)
+    prompt = tokenizer.encode("the quick brown fox")
+    continuation = greedy_reference(model, prompt, 3 * block_size + 2)
+    for corrupt_at in [*range(block_size - 1), None]:
+        expected_accept = block_size - 1 if corrupt_at is None else corrupt_at
+        oracle = OracleProposer(len(prompt), continuation, corrupt_at, target.vocab_size)
+        decoder = SpeculativeDecoder(target, oracle, [0], block_size, prefill_step_size=3)
+        out = [decoder.prefill(mx.array(prompt))]
+        for _ in range(2):
+            cycle = decoder.cycle()
+            assert cycle.accepted == expected_accept
+            out += cycle.tokens
+            assert out == continuation[: len(out)]
+            # the cache holds everything committed except the pending token
+            assert_cache_equals_fresh_prefill(model, decoder.cache, prompt + out[:-1])
+
+
+class RecordingProposer(DraftProposer):
+    def __init__(self, draft, target):
+        super().__init__(draft, target)
+        self.seen = []
+
+    def observe(self, features):
+        self.seen.append(features)
+        super().observe(features)
+
+
+class Passthrough(nn.Module):
+    def __init__(self, like):
+        super().__init__()
+        self.is_linear = getattr(like, "is_linear", False)
+        self.use_sliding = getattr(like, "use_sliding", False)
+
+    def __call__(self, x, *args, **kwargs):
+        return x
+
+
+def layer_output_uncached(target_dir, tokens, layer_id):
+    """Output of one target layer from mlx-lm's own uncached forward, by
+    cutting a fresh copy of the model after that layer."""
+    model, _ = mlx_lm_load(str(target_dir))
+    inner = getattr(model, "language_model", model).model
+    layers = inner.layers
+    for j in range(layer_id + 1, len(layers)):
+        layers[j] = Passthrough(layers[j])
+    inner.norm = Passthrough(inner.norm)
+    return inner(mx.array(tokens)[None])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_features_handed_to_the_draft_are_the_layer_outputs(pairs, family):
+    model, tokenizer, draft = loaded(pairs, family)
+    target = Target(model)
+    proposer = RecordingProposer(draft, target)
+    decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, 4, prefill_step_size=3)
+    prompt = tokenizer.encode("write a short story about a cat who")
+    out = [decoder.prefill(mx.array(prompt))]
+    for _ in range(6):
+        out += decoder.cycle().tokens
+    features = mx.concatenate(proposer.seen, axis=1)
+    committed = prompt + out[:-1]
+    assert features.shape[1] == len(committed)
+    H = target.hidden_size
+    for k, layer_id in enumerate(draft.config.target_layer_ids):
+        want = layer_output_uncached(pairs[family][0], committed, layer_id)
+        got = features[..., k * H : (k + 1) * H]
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item(), f"layer {layer_id}"
+
+
+def test_recording_forward_matches_the_plain_forward(pairs):
+    """The GatedDeltaNet path that records for rollback computes exactly what
+    mlx-lm's own layer computes."""
+    model, tokenizer, _ = loaded(pairs, "qwen3_5")
+    target = Target(model)
+    tokens = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog"))[None]
+    caches = [target.make_cache(), target.make_cache()]
+    for cache in caches:
+        target.forward(tokens[:, :4], cache, [1])
+    plain = target.forward(tokens[:, 4:], caches[0], [1])
+    recorded = target.forward(tokens[:, 4:], caches[1], [1], record=True)
+    assert mx.array_equal(plain.hidden, recorded.hidden)
+    assert mx.array_equal(plain.features, recorded.features)
+    assert any(r is not None for r in recorded.records)
+    for a, b in zip(*caches):
+        if not isinstance(a, KVCache):
+            assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[1], b[1])
