@@ -86,12 +86,14 @@ def check_pair(target: Target, draft: DFlashDraft) -> None:
 
 def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
     if isinstance(prompt, str):
+        if not prompt:
+            raise DFlashError("the prompt is empty; give some text or token ids")
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
         prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
     ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt))
     ids = ids.reshape(-1).astype(mx.int32)
     if ids.size == 0:
-        raise DFlashError("the prompt is empty; give at least one token")
+        raise DFlashError("the prompt is empty; give some text or token ids")
     return ids
 
 
