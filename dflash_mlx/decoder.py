@@ -71,6 +71,7 @@ class SpeculativeDecoder:
         self.prefill_step_size = prefill_step_size
         self.cache = target.make_cache()
         self.pending: mx.array | None = None  # y: chosen but not yet fed to the target
+        self.drafted: mx.array | None = None  # the proposal after y, already queued
 
     def prefill(self, prompt: mx.array) -> int:
         """Feed the prompt in chunks; return the first generated token."""
@@ -82,12 +83,18 @@ class SpeculativeDecoder:
             mx.clear_cache()
         logits = self.target.logits(out.hidden[:, -1])
         self.pending = mx.argmax(logits, axis=-1).astype(mx.int32)
-        return self.pending.item()
+        first = self.pending.item()
+        self._queue_draft()
+        return first
+
+    def _queue_draft(self) -> None:
+        # start drafting the next block while the host streams this cycle's text
+        self.drafted = self.proposer.propose(self.pending, self.block_size)
+        mx.async_eval(self.drafted)
 
     def cycle(self) -> Cycle:
         """One draft + verify + commit cycle; returns the committed tokens."""
-        y = self.pending
-        drafted = self.proposer.propose(y, self.block_size)
+        y, drafted = self.pending, self.drafted
         block = mx.concatenate([y, drafted])[None]
         out = self.target.forward(block, self.cache, self.layer_ids, record=True)
         choices = mx.argmax(self.target.logits(out.hidden[0]), axis=-1).astype(mx.int32)
@@ -99,4 +106,5 @@ class SpeculativeDecoder:
         self.target.rollback(self.cache, out, a + 1)
         self.proposer.observe(out.features[:, : a + 1])
         self.pending = choices[a : a + 1]
+        self._queue_draft()
         return Cycle(tokens, a)

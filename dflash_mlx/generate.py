@@ -18,6 +18,8 @@ from .draft import DFlashDraft
 from .errors import DFlashError
 from .target import Target
 
+CLEAR_CACHE_EVERY = 64  # cycles between frees of MLX's allocator cache on long runs
+
 
 @dataclass
 class GenerationResponse:
@@ -153,8 +155,7 @@ def stream_generate(
         committed = [decoder.prefill(prompt_ids)]
         prompt_tps = prompt_ids.size / (time.perf_counter() - tic)
         tic = time.perf_counter()
-        accepted = 0
-        generated = 0
+        accepted = generated = cycles = 0
         while True:
             emitted, finish = [], None
             for token in committed:
@@ -185,6 +186,9 @@ def stream_generate(
                 return
             cycle = decoder.cycle()
             committed, accepted = cycle.tokens, cycle.accepted
+            cycles += 1
+            if cycles % CLEAR_CACHE_EVERY == 0:
+                mx.clear_cache()
 
 
 def generate(model, draft, tokenizer, prompt, **kwargs) -> GenerationResult:

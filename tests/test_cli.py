@@ -158,3 +158,21 @@ def test_installed_console_script_exits_non_zero(pair):
                           capture_output=True, text=True)
     assert proc.returncode == 1
     assert proc.stderr.strip() == "error: --max-tokens must be positive, got 0"
+
+
+@pytest.mark.parametrize(
+    "target, draft",
+    [
+        ("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash"),
+        ("mlx-community/Qwen3.5-9B-4bit", "z-lab/Qwen3.5-9B-DFlash"),
+        ("mlx-community/Qwen3.5-35B-A3B-8bit", "z-lab/Qwen3.5-35B-A3B-DFlash"),
+        ("mlx-community/Meta-Llama-3.1-8B-Instruct-4bit", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+        ("/models/Qwen3-8B-4bit", "z-lab/Qwen3-8B-DFlash-b16"),
+        ("Qwen/Qwen3.5-9B-Base", None),
+        ("someone/unknown", None),
+    ],
+)
+def test_registry_maps_quantized_targets_to_the_base_draft(target, draft):
+    from dflash_mlx.registry import find_draft
+
+    assert find_draft(target) == draft

@@ -35,15 +35,14 @@ def pairs(target_dirs, draft_dir):
     }
 
 
-_loaded = {}
-
-
-def loaded(pairs, family):
-    if family not in _loaded:
-        target_dir, draft_dir = pairs[family]
+@pytest.fixture(scope="module")
+def loaded(pairs):
+    """family -> (mlx-lm model, tokenizer, draft), all loaded from disk."""
+    out = {}
+    for family, (target_dir, draft_dir) in pairs.items():
         model, tokenizer = mlx_lm_load(str(target_dir))
-        _loaded[family] = (model, tokenizer, load_draft(str(draft_dir)))
-    return _loaded[family]
+        out[family] = (model, tokenizer, load_draft(str(draft_dir)))
+    return out
 
 
 def greedy_reference(model, prompt_ids, n):
@@ -62,8 +61,8 @@ def assert_same_or_near_tie(model, prompt_ids, got, want):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_greedy_output_is_mlx_lm_greedy_output(pairs, family, block_size):
-    model, tokenizer, draft = loaded(pairs, family)
+def test_greedy_output_is_mlx_lm_greedy_output(loaded, family, block_size):
+    model, tokenizer, draft = loaded[family]
     eos = tokenizer.eos_token_id
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
@@ -114,8 +113,8 @@ def assert_cache_equals_fresh_prefill(model, cache, committed):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("block_size", [5, 16])
-def test_rollback_at_every_acceptance_length(pairs, family, block_size):
-    model, tokenizer, draft = loaded(pairs, family)
+def test_rollback_at_every_acceptance_length(loaded, family, block_size):
+    model, tokenizer, draft = loaded[family]
     target = Target(model)
     prompt = tokenizer.encode("the quick brown fox")
     continuation = greedy_reference(model, prompt, 3 * block_size + 2)
@@ -166,8 +165,8 @@ def layer_output_uncached(target_dir, tokens, layer_id):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_features_handed_to_the_draft_are_the_layer_outputs(pairs, family):
-    model, tokenizer, draft = loaded(pairs, family)
+def test_features_handed_to_the_draft_are_the_layer_outputs(loaded, pairs, family):
+    model, tokenizer, draft = loaded[family]
     target = Target(model)
     proposer = RecordingProposer(draft, target)
     decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, 4, prefill_step_size=3)
@@ -185,10 +184,10 @@ def test_features_handed_to_the_draft_are_the_layer_outputs(pairs, family):
         assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item(), f"layer {layer_id}"
 
 
-def test_recording_forward_matches_the_plain_forward(pairs):
+def test_recording_forward_matches_the_plain_forward(loaded):
     """The GatedDeltaNet path that records for rollback computes exactly what
     mlx-lm's own layer computes."""
-    model, tokenizer, _ = loaded(pairs, "qwen3_5")
+    model, tokenizer, _ = loaded["qwen3_5"]
     target = Target(model)
     tokens = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog"))[None]
     caches = [target.make_cache(), target.make_cache()]
