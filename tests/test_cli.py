@@ -176,3 +176,25 @@ def test_registry_maps_quantized_targets_to_the_base_draft(target, draft):
     from dflash_mlx.registry import find_draft
 
     assert find_draft(target) == draft
+
+
+def _cache_as_hub_repo(cache, repo_id, source):
+    """Lay a directory out as huggingface_hub's cache holds a downloaded repo."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = "0" * 40
+    shutil.copytree(source, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_repo_ids_resolve_through_huggingface_hub(pair, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    target, draft = pair
+    _cache_as_hub_repo(tmp_path, "tiny/Qwen3-Tiny", target)
+    _cache_as_hub_repo(tmp_path, "z-lab/Qwen3-Tiny-DFlash", draft)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    result = run("generate", "-m", "tiny/Qwen3-Tiny", "-d", "z-lab/Qwen3-Tiny-DFlash",
+                 "-p", "hello", "-n", 5, "--no-chat-template")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip()
