@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from .draft import DFlashDraft
 from .target import Target
+from .verify import greedy_verify
 
 
 class Proposer(Protocol):
@@ -97,14 +98,12 @@ class SpeculativeDecoder:
         y, drafted = self.pending, self.drafted
         block = mx.concatenate([y, drafted])[None]
         out = self.target.forward(block, self.cache, self.layer_ids, record=True)
-        choices = mx.argmax(self.target.logits(out.hidden[0]), axis=-1).astype(mx.int32)
-        matches = (drafted == choices[:-1]).astype(mx.int32)
-        accepted = mx.cumprod(matches).sum()
-        mx.eval(accepted, choices, drafted)
+        accepted, next_token = greedy_verify(self.target.logits(out.hidden), drafted[None])
+        mx.eval(accepted, next_token, drafted)  # the one sync of the cycle
         a = accepted.item()
-        tokens = drafted[:a].tolist() + [choices[a].item()]
+        tokens = drafted[:a].tolist() + [next_token.item()]
         self.target.rollback(self.cache, out, a + 1)
         self.proposer.observe(out.features[:, : a + 1])
-        self.pending = choices[a : a + 1]
+        self.pending = next_token
         self._queue_draft()
         return Cycle(tokens, a)
