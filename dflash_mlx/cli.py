@@ -109,3 +109,47 @@ def models():
     for target, draft in KNOWN_PAIRS.items():
         typer.echo(f"{target:<{width}}  {draft}")
     typer.echo("\nmlx-community/<name>-4bit / -8bit targets use the draft of <name>.")
+
+
+@app.command()
+def convert(
+    src: Optional[str] = typer.Argument(
+        None, help="Draft to convert: a local z-lab draft directory or a hub repo id."
+    ),
+    out: str = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
+    target: Optional[str] = typer.Option(
+        None, "--target", help="Convert this target model (hub id or directory) with mlx-lm's converter instead of a draft."
+    ),
+    quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize (4 bits unless --q-bits)."),
+    q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Bits per weight, 4 or 8; implies -q."),
+    q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size: 32, 64 or 128."),
+    recipe: Optional[str] = typer.Option(
+        None, "--recipe", help="Drafts: mixed_4_8 (fc and the last layer at 8 bits, the rest at 4). Targets: an mlx-lm recipe (mixed_3_6, ...)."
+    ),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="float16, bfloat16 or float32 for unquantized tensors and scales. Default: keep the source's."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+):
+    """Convert a z-lab DFlash draft to MLX, optionally 4/8-bit quantized (or a target, with --target)."""
+    if (src is None) == (target is None):
+        _fail("give either a draft SRC or --target MODEL, not both or neither")
+    try:
+        from dflash_mlx.convert import convert_draft, convert_target
+        from dflash_mlx.convert.draft import check_options
+
+        check_options(q_bits, q_group_size, dtype, None if target else recipe)
+        if target is not None:
+            convert_target(
+                target, out, quantize=quantize, bits=q_bits, group_size=q_group_size,
+                dtype=dtype, recipe=recipe, force=force,
+            )
+        else:
+            bits = q_bits or (4 if quantize or recipe else None)
+            convert_draft(
+                src, out, bits=bits, group_size=q_group_size, dtype=dtype,
+                recipe=recipe, force=force, log=lambda m: typer.echo(m, err=True),
+            )
+    except DFlashError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {out}", err=True)
