@@ -12,7 +12,7 @@ from dflash_mlx.loading import DRAFT_FILES, resolve
 
 from .checkpoint import expected_shapes, open_tensors, read_config, validate
 from .quant import RECIPES, plan, quantization_block, quantize_weight
-from .writer import SHARD_BYTES, staged_output, write_shards
+from .writer import SHARD_BYTES, check_free, staged_output, write_shards
 
 DTYPES = ("float16", "bfloat16", "float32")
 BITS = (4, 8)
@@ -60,8 +60,7 @@ def convert_draft(
     if recipe is not None:
         bits = 4
     out = Path(out).expanduser()
-    if out.exists() and not force:
-        raise DFlashError(f"output '{out}' already exists; pass --force to replace it")
+    check_free(out, force)
     path = resolve(str(src), "draft", DRAFT_FILES)
     if out.resolve() == path.resolve() or out.resolve() in path.resolve().parents:
         raise DFlashError(f"output '{out}' would replace the source draft '{path}'; choose another --out")
@@ -97,7 +96,10 @@ def convert_draft(
 
     what = f"{bits}-bit" + (f" ({recipe})" if recipe else "") if bits else (dtype or "unquantized")
     log(f"converting {path} -> {out} ({what})")
-    with staged_output(out, force) as staged:
-        write_shards(groups(), staged, shard_bytes, log)
-        save_config(config.to_dict(), staged / "config.json")
+    try:
+        with staged_output(out, force) as staged:
+            write_shards(groups(), staged, shard_bytes, log)
+            save_config(config.to_dict(), staged / "config.json")
+    except (OSError, RuntimeError) as e:  # disk full, unreadable source, ...
+        raise DFlashError(f"converting to '{out}' failed: {' '.join(str(e).split())}") from None
     return out

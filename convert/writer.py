@@ -16,16 +16,21 @@ from dflash_mlx.errors import DFlashError
 SHARD_BYTES = 1 << 30
 
 
+def check_free(out: Path, force: bool) -> None:
+    """An existing ``out`` may only be replaced with ``force``."""
+    if (out.exists() or out.is_symlink()) and not force:
+        raise DFlashError(f"output '{out}' already exists; pass --force to replace it")
+
+
 @contextmanager
 def staged_output(out: Path, force: bool) -> Iterator[Path]:
     """Yield a not-yet-existing path to write; it becomes ``out`` only if the block succeeds.
 
     On any exception, Ctrl-C included, the staging directory is removed and
-    ``out`` is left as it was. An existing ``out`` is replaced only with ``force``.
+    ``out`` is left as it was.
     """
     out = Path(out).expanduser()
-    if (out.exists() or out.is_symlink()) and not force:
-        raise DFlashError(f"output '{out}' already exists; pass --force to replace it")
+    check_free(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:

@@ -249,6 +249,15 @@ def test_invalid_json(models, tmp_path):
     assert_nothing_written(tmp_path / "out")
 
 
+def test_truncated_weights(models, tmp_path):
+    shutil.copytree(models / "draft", tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 100)
+    code, _, stderr = run_cli(tmp_path / "hf", "--out", tmp_path / "out", "-q")
+    assert_one_error(code, stderr, "model.safetensors")
+    assert_nothing_written(tmp_path / "out")
+
+
 def test_group_size_dividing_no_module(tmp_path):
     # hidden 40, 2 heads of 20, intermediate 48, fc 80: no input width divides 32.
     config = {
