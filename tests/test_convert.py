@@ -115,6 +115,24 @@ def test_shards_are_streamed_and_indexed(models, tmp_path):
                           block_logits(load_draft(str(tmp_path / "out"))))
 
 
+def test_hub_repo_ids_convert_from_the_offline_cache(models, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    commit = "0" * 40
+    for repo_id, source in [("z-lab/Tiny-DFlash", "draft"), ("tiny/Qwen3-Tiny", "target")]:
+        repo = tmp_path / "hub" / ("models--" + repo_id.replace("/", "--"))
+        shutil.copytree(models / source, repo / "snapshots" / commit)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, _, stderr = run_cli("z-lab/Tiny-DFlash", "--out", tmp_path / "draft", "--q-bits", 8)
+    assert code == 0, stderr
+    assert load_draft(str(tmp_path / "draft")).fc.bits == 8
+    code, _, stderr = run_cli("--target", "tiny/Qwen3-Tiny", "--out", tmp_path / "target", "-q")
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "target" / "config.json").read_text())["quantization"]["bits"] == 4
+
+
 # 2. Quantized drafts -------------------------------------------------------
 
 
@@ -303,6 +321,14 @@ def test_existing_output_needs_force(models, tmp_path, what):
 def test_bad_options(models, tmp_path, args, words):
     code, _, stderr = run_cli(models / "draft", "--out", tmp_path / "out", *args)
     assert_one_error(code, stderr, *words)
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_draft_and_target_are_exclusive(models, tmp_path):
+    code, _, stderr = run_cli(models / "draft", "--target", models / "target", "--out", tmp_path / "out")
+    assert_one_error(code, stderr, "SRC", "--target")
+    code, _, stderr = run_cli("--out", tmp_path / "out")
+    assert_one_error(code, stderr, "SRC", "--target")
     assert_nothing_written(tmp_path / "out")
 
 
