@@ -1,0 +1,388 @@
+"""Reproduce the bundled demo pair (``dflash_mlx/demo_pair``) from scratch.
+
+Stages, each resumable (run them in order; ``all`` runs every stage):
+
+  tokenizer  byte-level BPE (``tokenizers``) trained on the Python standard
+             library's own source (PSF licence), test suites excluded
+  data       the corpus tokenized; ~5% of the files held out (eval prompts)
+  target     a small Qwen3.5 hybrid (GatedDeltaNet + attention, mlx-lm's
+             ``qwen3_5`` class) pretrained on the corpus
+  draft      a DFlash draft trained with ``dflash-mlx train`` on the target's
+             own greedy continuations (self-distillation)
+  install    copy the final target and draft into dflash_mlx/demo_pair/
+
+Run on CPU with OpenBLAS and float32 for speed::
+
+    export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+    python examples/make_demo_pair.py all --work demo_work
+
+Interrupted? Run the same command again: every stage continues exactly from
+its last checkpoint. The corpus is whatever standard library the running
+Python has (the shipped pair used CPython 3.11.7).
+"""
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from dflash_mlx.train_loop import OptimConfig, fit
+
+VOCAB_SIZE = 4096
+SPECIALS = ["<|endoftext|>", "<|mask|>"]  # ids 0 (EOS, document separator) and 1 (DFlash mask)
+PRETOKENIZE_REGEX = (  # transformers' Qwen2/Qwen3.5 pre-tokenizer split
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
+HELD_OUT_EVERY = 20  # one file in 20 (by path hash) never enters any training
+
+TARGET_CONFIG = {
+    "model_type": "qwen3_5",
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "tie_word_embeddings": True,
+    "text_config": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 6,
+        "full_attention_interval": 2,  # layers 0, 2, 4 GatedDeltaNet; 1, 3, 5 attention
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "vocab_size": VOCAB_SIZE,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "eos_token_id": 0,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    },
+    "eos_token_id": 0,
+}
+TARGET_SEQ_LEN = 256
+TARGET_BATCH = 12
+TARGET_OPTIM = OptimConfig(
+    steps=1000,
+    learning_rate=2e-3,
+    warmup_steps=60,
+    min_lr_ratio=0.05,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    checkpoint_every=20,
+    keep_checkpoints=2,
+    log_every=5,
+    seed=0,
+)
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files, sorted by path, test suites excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if EXCLUDED_DIRS & set(rel.parts[:-1]):
+            continue
+        if rel.name.startswith("test_"):
+            continue
+        files.append(p)
+    return files
+
+
+def is_held_out(rel: str) -> bool:
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % HELD_OUT_EVERY == 0
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------------------
+# tokenizer
+
+
+def stage_tokenizer(work: Path) -> Path:
+    out = work / "tokenizer"
+    if (out / "tokenizer.json").is_file():
+        return out
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train_files = [p for p in stdlib_files() if not is_held_out(str(p.relative_to(root)))]
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((read(p) for p in train_files), trainer=trainer)
+    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    tmp = out.with_name("tokenizer.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "bos_token": None,
+        "mask_token": "<|mask|>",
+        "add_bos_token": False,
+        "model_max_length": 4096,
+    }, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"tokenizer: {VOCAB_SIZE} ids from {len(train_files)} files", file=sys.stderr)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# data
+
+
+def stage_data(work: Path) -> Path:
+    """tokens.npy (train stream, documents separated by EOS) and heldout.json."""
+    out = work / "data"
+    if (out / "train_tokens.npy").is_file():
+        return out
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(work / "tokenizer" / "tokenizer.json"))
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, held = [], []
+    for p in stdlib_files():
+        rel = str(p.relative_to(root))
+        (held if is_held_out(rel) else train).append((rel, read(p)))
+    ids = []
+    for _, text in train:
+        ids.extend(tok.encode(text).ids)
+        ids.append(0)
+    tmp = out.with_name("data.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    np.save(tmp / "train_tokens.npy", np.array(ids, dtype=np.int32))
+    (tmp / "heldout.json").write_text(json.dumps([{"path": r, "text": t} for r, t in held]))
+    (tmp / "train_files.json").write_text(json.dumps([r for r, _ in train]))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    print(f"data: {len(ids):,} train tokens from {len(train)} files; {len(held)} held out",
+          file=sys.stderr)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# target
+
+
+def build_target(seed: int):
+    from mlx_lm.models import qwen3_5
+
+    mx.random.seed(seed)
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(json.loads(json.dumps(TARGET_CONFIG))))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def lm_loss(model, inputs, targets):
+    logits = model(inputs)
+    loss = nn.losses.cross_entropy(logits, targets, reduction="mean")
+    return loss, mx.array(float(targets.size))
+
+
+def stage_target(work: Path, steps=None, stop_after=None) -> Path:
+    out = work / "target"
+    final = out / "final"
+    if (final / "config.json").is_file():
+        return final
+    stream = np.load(work / "data" / "train_tokens.npy")
+    cfg = TARGET_OPTIM
+    if steps:
+        cfg = OptimConfig(**{**cfg.__dict__, "steps": steps})
+    model = build_target(cfg.seed)
+    model.train()
+    T, B = TARGET_SEQ_LEN, TARGET_BATCH
+
+    def batch(step, micro):
+        rng = np.random.default_rng([cfg.seed, step, micro])
+        starts = rng.integers(0, len(stream) - T - 1, size=B)
+        x = np.stack([stream[s : s + T + 1] for s in starts])
+        return mx.array(x[:, :-1]), mx.array(x[:, 1:]), B * T
+
+    summary = fit(model, lm_loss, batch, cfg, out, extra={"stage": "target"}, stop_after=stop_after)
+    if summary["step"] < cfg.steps:
+        print(f"target: stopped at step {summary['step']}/{cfg.steps}", file=sys.stderr)
+        return None
+    save_target(model, final, work)
+    return final
+
+
+def save_target(model, path: Path, work: Path) -> None:
+    from mlx_lm.utils import save_config, save_model
+
+    model.eval()
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(tmp, model)
+    save_config(json.loads(json.dumps(TARGET_CONFIG)), tmp / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(work / "tokenizer" / name, tmp / name)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+# ----------------------------------------------------------------------------
+# held-out prompts, draft, install
+
+EVAL_PROMPTS = 24
+EVAL_PROMPT_LENGTHS = (32, 48, 64, 96)
+
+
+def stage_prompts(work: Path) -> Path:
+    """Prompts cut from the held-out files (never seen by target or draft)."""
+    out = work / "data" / "heldout_prompts.jsonl"
+    if out.is_file():
+        return out
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(work / "tokenizer" / "tokenizer.json"))
+    held = json.loads((work / "data" / "heldout.json").read_text())
+    rng = np.random.default_rng(1234)
+    prompts = []
+    while len(prompts) < EVAL_PROMPTS:
+        doc = held[int(rng.integers(0, len(held)))]
+        ids = tok.encode(doc["text"]).ids
+        n = int(EVAL_PROMPT_LENGTHS[len(prompts) % len(EVAL_PROMPT_LENGTHS)])
+        if len(ids) < n + 1:
+            continue
+        starts = [i + 1 for i in range(len(ids) - n - 1) if tok.id_to_token(ids[i]).endswith("Ċ")]
+        if not starts:
+            continue
+        s = starts[int(rng.integers(0, len(starts)))]  # at the start of a line
+        text = tok.decode(ids[s : s + n])
+        if text.strip() and text not in (p["prompt"] for p in prompts):
+            prompts.append({"prompt": text, "source": doc["path"]})
+    out.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return out
+
+
+DRAFT_TRAIN = dict(
+    num_layers=2,
+    block_size=16,
+    seq_len=256,
+    batch_size=8,
+    blocks_per_seq=16,
+    gamma=7.0,
+    self_distill=True,
+    num_prompts=4000,
+    distill_tokens=160,
+    prompt_lengths=(16, 32, 48, 64, 96),
+    distill_batch=50,
+    eval_prompts=12,
+    eval_tokens=128,
+    eval_every=5,
+)
+DRAFT_OPTIM = OptimConfig(
+    steps=1500,
+    learning_rate=2e-3,
+    warmup_steps=50,
+    min_lr_ratio=0.05,
+    weight_decay=0.01,
+    grad_clip=1.0,
+    checkpoint_every=50,
+    keep_checkpoints=2,
+    log_every=5,
+    seed=0,
+)
+
+
+def stage_draft(work: Path, stop_after=None):
+    from dflash_mlx.train import DraftTrainConfig, train_draft
+
+    target = work / "target" / "final"
+    if not (target / "config.json").is_file():
+        raise SystemExit("train the target first: make_demo_pair.py target")
+    final = work / "draft" / "draft"
+    if (final / "config.json").is_file():
+        return final
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train_files = json.loads((work / "data" / "train_files.json").read_text())
+    res = train_draft(
+        str(target), str(work / "draft"), [str(root / f) for f in train_files],
+        DraftTrainConfig(**DRAFT_TRAIN), DRAFT_OPTIM,
+        eval_prompt_paths=[str(stage_prompts(work))], stop_after=stop_after,
+    )
+    return res["draft_dir"]
+
+
+def stage_install(work: Path) -> Path:
+    """Copy the final pair into the package (dflash_mlx/demo_pair)."""
+    dest = Path(__file__).resolve().parent.parent / "dflash_mlx" / "demo_pair"
+    target, draft = work / "target" / "final", work / "draft" / "draft"
+    for src, name in ((target, "target"), (draft, "draft")):
+        if not (src / "config.json").is_file():
+            raise SystemExit(f"{src} is missing; run the earlier stages first")
+        shutil.rmtree(dest / name, ignore_errors=True)
+        (dest / name).mkdir(parents=True)
+        for f in sorted(src.iterdir()):
+            if f.suffix in (".json", ".safetensors"):
+                shutil.copy(f, dest / name / f.name)
+    shutil.copy(stage_prompts(work), dest / "heldout_prompts.jsonl")
+    print(f"installed the demo pair in {dest}", file=sys.stderr)
+    return dest
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["tokenizer", "data", "target", "prompts", "draft", "install", "all"])
+    ap.add_argument("--work", default="demo_work", help="Working directory (git-ignored).")
+    ap.add_argument("--stop-after", type=int, default=None, help="Stop a training stage after N steps.")
+    args = ap.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    stages = ["tokenizer", "data", "target", "prompts", "draft", "install"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        if stage == "tokenizer":
+            stage_tokenizer(work)
+        elif stage == "data":
+            stage_data(work)
+        elif stage == "target":
+            if stage_target(work, stop_after=args.stop_after) is None:
+                return 1
+        elif stage == "prompts":
+            stage_prompts(work)
+        elif stage == "draft":
+            if stage_draft(work, stop_after=args.stop_after) is None:
+                return 1
+        elif stage == "install":
+            stage_install(work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Draft training: the training forward is the inference forward, a few steps
+lower the loss, checkpoints resume bit-identically, and what training writes
+loads with ``load_draft`` and decodes losslessly."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from checkpoints import WORDS, build_target
+from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import generate_step
+
+from dflash_mlx import DFlashError, Target, generate, load_draft
+from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.train import (
+    DraftObjective,
+    DraftTrainConfig,
+    draft_config_for,
+    draft_train_forward,
+    sample_anchors,
+    train_draft,
+)
+from dflash_mlx.train_data import SequenceData, StreamData, read_records
+from dflash_mlx.train_loop import OptimConfig, fit, list_checkpoints, lr_schedule
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small learnable corpus: sentences from a few fixed templates."""
+    rng = np.random.default_rng(0)
+    words = WORDS[:40]
+    lines = []
+    for _ in range(300):
+        i = int(rng.integers(0, len(words) - 6))
+        lines.append(" ".join(words[i : i + 6]) + " and " + words[(i * 7) % len(words)])
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(lines) + "\n")
+    jsonl = path.with_name("prompts.jsonl")
+    jsonl.write_text("\n".join(json.dumps({"prompt": " ".join(l.split()[:3])}) for l in lines[:60]))
+    return path, jsonl
+
+
+@pytest.fixture(scope="module")
+def hybrid(target_dirs):
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3_5"]))
+    return model, tokenizer
+
+
+TINY = dict(num_layers=2, block_size=8, seq_len=48, batch_size=4, blocks_per_seq=4,
+            eval_prompts=2, eval_tokens=24)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_training_forward_equals_cached_inference_block_by_block(sliding_window):
+    model, _ = build_target("qwen3_5")
+    target = Target(model)
+    config = draft_config_for(
+        target, DraftTrainConfig(num_layers=2, block_size=8, sliding_window=sliding_window), 511
+    )
+    mx.random.seed(1)
+    draft = DFlashDraft(config)
+    x = mx.random.randint(0, 500, (2, 40))
+    feats = target.forward(x, None, config.target_layer_ids).features
+    anchors = np.array([[3, 10, 20, 30], [1, 5, 17, 32]])
+    block = np.array(x)[np.arange(2)[:, None, None], anchors[:, :, None] + np.arange(8)]
+    block[:, :, 1:] = config.mask_token_id
+    hidden = draft_train_forward(
+        draft, target.embed(mx.array(block.reshape(2, -1))), feats, mx.array(anchors)
+    ).reshape(2, 4, 8, -1)
+    for i in range(2):
+        for j in range(4):
+            cache = draft.make_cache()
+            draft.inject(feats[i : i + 1, : int(anchors[i, j])], cache)
+            want = draft(target.embed(mx.array(block[i : i + 1, j])), cache)[0]
+            assert mx.allclose(hidden[i, j], want, atol=1e-4).item(), (i, j)
+
+
+def test_anchors_stay_in_range_and_leave_room_for_labels():
+    rng = np.random.default_rng(0)
+    lo, hi = np.array([1, 10, 5]), np.array([48, 30, 14])
+    a = sample_anchors(rng, lo, hi, 6, 8)
+    assert (a >= np.minimum(lo, hi - 8)[:, None]).all() and (a + 8 <= hi[:, None]).all()
+    assert len(set(a[0])) == 6  # distinct when there is room
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    s = lr_schedule(OptimConfig(steps=100, learning_rate=1e-3, warmup_steps=10, min_lr_ratio=0.1))
+    assert s(0).item() == 0.0
+    assert s(10).item() == pytest.approx(1e-3)
+    assert s(100).item() == pytest.approx(1e-4, rel=1e-3)
+    assert s(5).item() < s(10).item() and s(50).item() < s(10).item()
+
+
+def _objective(hybrid, corpus, **over):
+    model, tokenizer = hybrid
+    target = Target(model)
+    cfg = DraftTrainConfig(**{**TINY, **over})
+    config = draft_config_for(target, cfg, target.vocab_size - 1)
+    from dflash_mlx.train_data import corpus_stream
+
+    stream = corpus_stream(tokenizer, read_records([str(corpus[0])]), 2)
+    return target, config, DraftObjective(target, config, cfg, StreamData(stream), seed=0)
+
+
+def _fresh_draft(config, seed=0):
+    mx.random.seed(seed)
+    draft = DFlashDraft(config)
+    mx.eval(draft.parameters())
+    return draft
+
+
+def test_a_few_steps_lower_the_loss(hybrid, corpus, tmp_path):
+    _, config, objective = _objective(hybrid, corpus)
+    draft = _fresh_draft(config)
+    cfg = OptimConfig(steps=30, learning_rate=3e-3, warmup_steps=3, checkpoint_every=0, log_every=10)
+    losses = fit(draft, objective.loss, objective.batch, cfg, tmp_path)["losses"]
+    assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:3]), losses
+
+
+def test_checkpoint_resumes_bit_identically(hybrid, corpus, tmp_path):
+    _, config, objective = _objective(hybrid, corpus)
+    cfg = OptimConfig(steps=6, learning_rate=3e-3, warmup_steps=2, checkpoint_every=2,
+                      grad_accum=2, log_every=1)
+    straight = _fresh_draft(config)
+    a = fit(straight, objective.loss, objective.batch, cfg, tmp_path / "a")
+    interrupted = _fresh_draft(config)
+    fit(interrupted, objective.loss, objective.batch, cfg, tmp_path / "b", stop_after=3)
+    assert [p.name for p in list_checkpoints(tmp_path / "b")][-1] == "step_00000003"
+    resumed = _fresh_draft(config, seed=123)  # different init: everything must come from the checkpoint
+    b = fit(resumed, objective.loss, objective.batch, cfg, tmp_path / "b")
+    assert b["step"] == 6 and b["losses"] == a["losses"][3:]
+    for (name, x), (_, y) in zip(tree_flatten(straight.parameters()), tree_flatten(resumed.parameters())):
+        assert mx.array_equal(x, y).item(), name
+    ck_a = mx.load(str(list_checkpoints(tmp_path / "a")[-1] / "optimizer.safetensors"))
+    ck_b = mx.load(str(list_checkpoints(tmp_path / "b")[-1] / "optimizer.safetensors"))
+    assert ck_a.keys() == ck_b.keys()
+    assert all(mx.array_equal(ck_a[k], ck_b[k]).item() for k in ck_a)
+
+
+def test_grad_accumulation_matches_one_big_batch(hybrid, corpus, tmp_path):
+    """Two micro-batches of 2 give the update of the same 4 sequences at once."""
+    _, config, objective = _objective(hybrid, corpus, batch_size=2)
+    cfg = OptimConfig(steps=1, learning_rate=1e-3, warmup_steps=0, grad_accum=2, grad_clip=0)
+    d1 = _fresh_draft(config)
+    fit(d1, objective.loss, objective.batch, cfg, tmp_path / "a")
+
+    def joint(step, micro):
+        parts = [objective.batch(step, m) for m in range(2)]
+        cat = [mx.concatenate([p[i] for p in parts]) for i in range(4)]
+        return (*cat, sum(p[4] for p in parts))
+
+    d2 = _fresh_draft(config)
+    fit(d2, objective.loss, joint, OptimConfig(**{**cfg.__dict__, "grad_accum": 1}), tmp_path / "b")
+    for (name, x), (_, y) in zip(tree_flatten(d1.parameters()), tree_flatten(d2.parameters())):
+        assert mx.allclose(x, y, atol=1e-6).item(), name
+
+
+def greedy(model, ids, n):
+    return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
+
+
+def test_trained_draft_loads_and_decodes_losslessly(hybrid, target_dirs, corpus, tmp_path):
+    from dflash_mlx.convert import convert_draft
+
+    model, tokenizer = hybrid
+    res = train_draft(
+        str(target_dirs["qwen3_5"]), str(tmp_path / "run"), [str(corpus[0])],
+        DraftTrainConfig(**TINY), OptimConfig(steps=4, warmup_steps=1, checkpoint_every=2),
+        export_hf_dir=str(tmp_path / "hf"), model_and_tokenizer=hybrid,
+    )
+    assert res["final_eval"]["cycles"] > 0
+    for path in (res["draft_dir"], res["hf_dir"]):
+        draft = load_draft(path)
+        assert draft.config.block_size == 8 and len(draft.layers) == 2
+        for prompt in ["the quick brown fox", "hello world"]:
+            ids = tokenizer.encode(prompt)
+            out = generate(model, draft, tokenizer, prompt, max_tokens=32)
+            want = greedy(model, ids, 32)
+            assert out.tokens == want[: len(out.tokens)] and len(out.tokens) > 8
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["DFlashDraftModel"] and hf["dflash_config"]["block_size"] == 8
+    assert hf["torch_dtype"] == "bfloat16"
+    converted = convert_draft(res["hf_dir"], tmp_path / "converted", dtype="float32")
+    assert load_draft(str(converted)).config.target_layer_ids == draft.config.target_layer_ids
+
+
+def test_self_distillation_trains_on_the_targets_own_continuations(hybrid, target_dirs, corpus, tmp_path):
+    model, tokenizer = hybrid
+    cfg = DraftTrainConfig(**{**TINY, "self_distill": True, "distill_tokens": 24, "num_prompts": 20})
+    res = train_draft(
+        str(target_dirs["qwen3_5"]), str(tmp_path / "run"), [str(corpus[1])], cfg,
+        OptimConfig(steps=2, warmup_steps=1), model_and_tokenizer=hybrid,
+    )
+    data = SequenceData.load(tmp_path / "run" / "distill.npz")
+    assert len(data) == 20
+    seq, p = data.sequences[0], int(data.prompt_lens[0])
+    assert seq[p:].tolist() == greedy(model, seq[:p].tolist(), len(seq) - p)
+    assert res["draft_dir"] is not None
+
+
+def test_resuming_with_other_settings_is_refused(hybrid, target_dirs, corpus, tmp_path):
+    args = (str(target_dirs["qwen3_5"]), str(tmp_path / "run"), [str(corpus[0])])
+    train_draft(*args, DraftTrainConfig(**TINY), OptimConfig(steps=2, warmup_steps=0),
+                stop_after=1, model_and_tokenizer=hybrid)
+    with pytest.raises(DFlashError, match="different"):
+        train_draft(*args, DraftTrainConfig(**{**TINY, "num_layers": 1}),
+                    OptimConfig(steps=2, warmup_steps=0), model_and_tokenizer=hybrid)
