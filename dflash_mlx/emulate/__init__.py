@@ -1,0 +1,465 @@
+"""Run Metal kernel sources on the CPU: the emulation harness (a dev tool).
+
+``mx.fast.metal_kernel`` only runs on Apple GPUs. This module takes the same
+kernel body, wraps it in the signature MLX would generate for it (inputs,
+``*_shape``/``*_strides``/``*_ndim`` where the body mentions them, outputs,
+template parameters and the thread-position attributes it uses; see MLX's
+``mlx/fast.cpp`` ``write_signature``), compiles it as C++17 with the system
+``g++`` against ``metal_emu.h`` and runs the grid on the CPU, each threadgroup's
+threads as cooperating fibers so that barriers and 32-lane SIMD-group functions
+behave as on the GPU. Outputs are poisoned (NaN / all-ones bytes) before a run
+unless ``init_value`` is given, and guard bytes around them catch writes out of
+bounds. Compiled objects are cached by source hash under
+``$DFLASH_MLX_EMULATE_CACHE`` (default ``~/.cache/dflash-mlx/emulate``).
+
+Entry points:
+
+- :func:`metal_kernel` is a drop-in for ``mx.fast.metal_kernel``: same
+  arguments, and the returned object is called the same way.
+- :func:`run_kernel` runs a kernel registered in :mod:`dflash_mlx.kernels`
+  through the harness and compares it with the pure-MLX reference.
+- ``python -m dflash_mlx.emulate [KERNEL ...]`` does that for every (or the
+  named) registered kernel on its self-check input and prints the result.
+
+The one rewrite of the source: a threadgroup array declaration
+``threadgroup T name[N];`` becomes a reference into memory shared by the
+threads of the current threadgroup. It must be a single declarator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+HEADER = Path(__file__).with_name("metal_emu.h")
+CACHE_ENV = "DFLASH_MLX_EMULATE_CACHE"
+WORKERS_ENV = "DFLASH_MLX_EMULATE_WORKERS"
+CXX_FLAGS = [
+    "-std=c++17", "-O1", "-fPIC", "-shared", "-pthread",
+    # Metal has no double: unsuffixed literals such as 0.5 are float there
+    "-fsingle-precision-constant",
+    # no FMA contraction: keep float rounding as written
+    "-ffp-contract=off",
+    "-Wno-attributes", "-w",
+]
+ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
+GUARD_BYTES = 64
+_GUARD = 0xA5
+
+# mlx/fast.cpp: inputs smaller than this go in the constant address space
+MAX_CONSTANT_ARRAY_SIZE = 8
+
+# mlx/fast.cpp `metal_kernel`: attributes added when their name occurs in the source
+ATTRIBUTES = [
+    ("dispatch_quadgroups_per_threadgroup", "uint"),
+    ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"),
+    ("grid_origin", "uint3"),
+    ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"),
+    ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"),
+    ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"),
+    ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
+]
+
+# MLX get_type_string; numpy storage for each dtype (bfloat16 travels as uint16)
+_TYPES = {
+    mx.float32: ("float", np.float32),
+    mx.float16: ("float16_t", np.float16),
+    mx.bfloat16: ("bfloat16_t", np.uint16),
+    mx.int8: ("int8_t", np.int8),
+    mx.int16: ("int16_t", np.int16),
+    mx.int32: ("int32_t", np.int32),
+    mx.int64: ("int64_t", np.int64),
+    mx.uint8: ("uint8_t", np.uint8),
+    mx.uint16: ("uint16_t", np.uint16),
+    mx.uint32: ("uint32_t", np.uint32),
+    mx.uint64: ("uint64_t", np.uint64),
+    mx.bool_: ("bool", np.bool_),
+}
+
+
+class EmulationError(RuntimeError):
+    """The kernel failed to compile or misbehaved while running (deadlock,
+    barrier not reached by all threads, write out of bounds ...)."""
+
+
+def type_string(dtype: mx.Dtype) -> str:
+    if dtype not in _TYPES:
+        raise EmulationError(f"unsupported dtype {dtype}")
+    return _TYPES[dtype][0]
+
+
+def _template_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, mx.Dtype):
+        return type_string(value)
+    raise EmulationError(f"template arguments are int, bool or mx.Dtype, got {value!r}")
+
+
+def _template_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    return "typename"
+
+
+_TG_DECL = re.compile(
+    r"\bthreadgroup\s+(?P<type>[A-Za-z_][\w:<>, ]*?)\s+(?P<name>[A-Za-z_]\w*)\s*"
+    r"(?P<dims>(?:\[[^\]\[;]+\]\s*)*);"
+)
+
+
+def rewrite_threadgroup(source: str) -> str:
+    """``threadgroup T name[N];`` -> a reference into per-threadgroup memory."""
+    counter = iter(range(1, 1 << 30))
+
+    def sub(m: re.Match) -> str:
+        dims = re.sub(r"\s+", "", m.group("dims"))
+        return f"auto& {m.group('name')} = ::emu::tg_alloc<{m.group('type').strip()}{dims}>({next(counter)});"
+
+    return _TG_DECL.sub(sub, source)
+
+
+@dataclass(frozen=True)
+class _Param:
+    decl: str  # the declaration in the signature
+    cast: str  # how the launcher passes it from the void* table
+
+
+def write_signature(
+    func_name: str,
+    source: str,
+    input_names: Sequence[str],
+    inputs: Sequence[mx.array],
+    output_names: Sequence[str],
+    output_dtypes: Sequence[mx.Dtype],
+    template: Sequence[tuple[str, Any]],
+    atomic_outputs: bool,
+) -> tuple[str, list[_Param], list[str], list[tuple[int, str]]]:
+    """The kernel function as MLX's ``write_signature`` builds it.
+
+    Returns (text, buffer parameters in order, attribute names in order,
+    buffer table layout: (input index or -1-output index, role)).
+    """
+    params: list[_Param] = []
+    layout: list[tuple[int, str]] = []
+    for i, (name, arr) in enumerate(zip(input_names, inputs)):
+        t = type_string(arr.dtype)
+        location = "constant" if arr.size < MAX_CONSTANT_ARRAY_SIZE else "device"
+        if arr.ndim == 0:
+            params.append(_Param(f"const {location} {t}& {name}", f"*(const {t}*)"))
+        else:
+            params.append(_Param(f"const {location} {t}* {name}", f"(const {t}*)"))
+        layout.append((i, "data"))
+        if arr.ndim > 0:
+            if f"{name}_shape" in source:
+                params.append(_Param(f"const constant int* {name}_shape", "(const int*)"))
+                layout.append((i, "shape"))
+            if f"{name}_strides" in source:
+                params.append(_Param(f"const constant int64_t* {name}_strides", "(const int64_t*)"))
+                layout.append((i, "strides"))
+            if f"{name}_ndim" in source:
+                params.append(_Param(f"const constant int& {name}_ndim", "*(const int*)"))
+                layout.append((i, "ndim"))
+    for j, (name, dtype) in enumerate(zip(output_names, output_dtypes)):
+        t = type_string(dtype)
+        t = f"atomic<{t}>" if atomic_outputs else t
+        params.append(_Param(f"device {t}* {name}", f"({t}*)"))
+        layout.append((-1 - j, "data"))
+    attributes = [(a, t) for a, t in ATTRIBUTES if a in source]
+    lines = []
+    if template:
+        lines.append("template <" + ", ".join(f"{_template_kind(v)} {n}" for n, v in template) + ">")
+    lines.append(f"[[kernel]] void {func_name}(")
+    decls = [f"  {p.decl} [[buffer({k})]]" for k, p in enumerate(params)]
+    decls += [f"  {t} {a} [[{a}]]" for a, t in attributes]
+    lines.append(",\n".join(decls) + ") {")
+    return "\n".join(lines), params, [a for a, _ in attributes], layout
+
+
+def _cxx() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise EmulationError("no C++ compiler found (install g++ or set CXX)")
+    return cxx
+
+
+_cxx_version_cache: dict[str, str] = {}
+
+
+def _cxx_version(cxx: str) -> str:
+    if cxx not in _cxx_version_cache:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+        _cxx_version_cache[cxx] = out.stdout.splitlines()[0] if out.stdout else cxx
+    return _cxx_version_cache[cxx]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dflash-mlx" / "emulate"
+
+
+_libs: dict[str, ctypes.CDLL] = {}
+_lib_lock = threading.Lock()
+RUNTIME_LIB = "libdflash_emu.so"
+
+
+def _build(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        errors = "\n".join(proc.stderr.splitlines()[:40])
+        raise EmulationError(f"{what}: g++ failed to compile:\n{errors}")
+
+
+def _runtime(cxx: str, header: str, directory: Path) -> Path:
+    """The folder with the header, its precompiled form and the runtime library,
+    built once per header version: kernels then compile in a fraction of the time."""
+    key = hashlib.sha256("\0".join([header, " ".join(CXX_FLAGS), _cxx_version(cxx)]).encode()).hexdigest()[:16]
+    rt = directory / f"runtime-{key}"
+    if (rt / RUNTIME_LIB).exists():
+        return rt
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory, prefix="runtime-tmp-"))
+    try:
+        (tmp / HEADER.name).write_text(header)
+        (tmp / "runtime.cpp").write_text(f'#define EMU_RUNTIME_IMPL\n#include "{HEADER.name}"\n')
+        flags = [f for f in CXX_FLAGS if f not in ("-shared", "-O1")]
+        _build([cxx, *flags, "-O2", "-shared", str(tmp / "runtime.cpp"), "-o", str(tmp / RUNTIME_LIB)],
+               "emulation runtime")
+        try:  # a precompiled header (g++ picks it up next to the header); optional
+            _build([cxx, *[f for f in CXX_FLAGS if f != "-shared"], "-x", "c++-header",
+                    str(tmp / HEADER.name), "-o", str(tmp / (HEADER.name + ".gch"))], "precompiled header")
+        except EmulationError:
+            pass
+        try:
+            os.replace(tmp, rt)  # atomic: a concurrent build either wins or loses whole
+        except OSError:
+            pass  # another process installed the same runtime first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rt
+
+
+def compile_source(cpp: str, label: str = "kernel") -> ctypes.CDLL:
+    """Compile (or fetch from the cache) a translation unit that includes metal_emu.h."""
+    cxx = _cxx()
+    header = HEADER.read_text()
+    key = hashlib.sha256(
+        "\0".join([cpp, header, " ".join(CXX_FLAGS), _cxx_version(cxx)]).encode()
+    ).hexdigest()[:32]
+    with _lib_lock:
+        if key in _libs:
+            return _libs[key]
+        directory = cache_dir()
+        rt = _runtime(cxx, header, directory)
+        lib_path = directory / f"{label}-{key}.so"
+        if not lib_path.exists():
+            with tempfile.TemporaryDirectory(dir=directory) as tmp:
+                src = Path(tmp) / f"{label}.cpp"
+                src.write_text(cpp)
+                out = Path(tmp) / "out.so"
+                _build([cxx, *CXX_FLAGS, "-I", str(rt), str(src), "-o", str(out),
+                        "-L", str(rt), f"-l:{RUNTIME_LIB}", f"-Wl,-rpath,{rt}"], label)
+                os.replace(out, lib_path)  # atomic: concurrent runs never see half a file
+        lib = ctypes.CDLL(str(lib_path))
+        lib.emu_launch.restype = ctypes.c_int
+        lib.emu_launch.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong),
+            ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int,
+            ctypes.c_char_p, ctypes.c_int,
+        ]
+        _libs[key] = lib
+        return lib
+
+
+def _to_numpy(x: mx.array) -> np.ndarray:
+    if x.dtype == mx.bfloat16:
+        x = x.view(mx.uint16)
+    return np.ascontiguousarray(np.array(x))
+
+
+def _from_numpy(a: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    out = mx.array(a)
+    return out.view(mx.bfloat16) if dtype == mx.bfloat16 else out
+
+
+def _default_workers() -> int:
+    env = os.environ.get(WORKERS_ENV)
+    if env:
+        return max(1, int(env))
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+class EmulatedKernel:
+    """What :func:`metal_kernel` returns; call it like MLX's kernel object."""
+
+    def __init__(self, name, input_names, output_names, source, header="",
+                 ensure_row_contiguous=True, atomic_outputs=False, compile_options=None):
+        if not output_names:
+            raise EmulationError("metal_kernel needs at least one output")
+        self.name = name
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self.source = source
+        self.header = header
+        self.ensure_row_contiguous = ensure_row_contiguous
+        self.atomic_outputs = atomic_outputs
+        self.compile_options = compile_options
+
+    def translation_unit(self, inputs, output_dtypes, template=()) -> tuple[str, list]:
+        """The C++ file for these input/output types: header, signature, body, launcher."""
+        template = list(template or [])
+        func = f"custom_kernel_{self.name}"
+        signature, params, attrs, layout = write_signature(
+            func, self.source, self.input_names, inputs, self.output_names,
+            output_dtypes, template, self.atomic_outputs,
+        )
+        call_args = [f"{p.cast}bufs[{k}]" for k, p in enumerate(params)]
+        call_args += [f"a.{attr}" for attr in attrs]
+        targs = "<" + ", ".join(_template_value(v) for _, v in template) + ">" if template else ""
+        cpp = "\n".join([
+            '#include "metal_emu.h"',
+            "// ---- header",
+            rewrite_threadgroup(self.header),
+            "// ---- signature as MLX writes it (mlx/fast.cpp write_signature)",
+            signature,
+            f'#line 1 "{self.name}.metal"',
+            rewrite_threadgroup(self.source),
+            "}",
+            "// ---- launcher",
+            'extern "C" int emu_launch(void** bufs, const long long* grid, const long long* tg, '
+            "int order, unsigned long long seed, int workers, char* err, int errlen) {",
+            "  return emu::launch(grid, tg, order, seed, workers, err, errlen, [bufs](const emu::Attrs& a) {",
+            f"    (void)a; {func}{targs}({', '.join(call_args)});",
+            "  });",
+            "}",
+            "",
+        ])
+        return cpp, layout
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                 template=None, init_value=None, verbose=False, stream=None,
+                 order: str = "shuffle", seed: int = 0, workers: Optional[int] = None):
+        inputs = list(inputs)
+        if len(inputs) != len(self.input_names):
+            raise EmulationError(f"{self.name}: expected {len(self.input_names)} inputs, got {len(inputs)}")
+        if len(output_shapes) != len(self.output_names) or len(output_dtypes) != len(self.output_names):
+            raise EmulationError(f"{self.name}: expected {len(self.output_names)} output shapes and dtypes")
+        if order not in ORDERS:
+            raise EmulationError(f"order must be one of {sorted(ORDERS)}")
+        cpp, layout = self.translation_unit(inputs, output_dtypes, template)
+        if verbose:
+            print(cpp)
+        lib = compile_source(cpp, label=re.sub(r"\W", "_", self.name))
+
+        keep: list[np.ndarray] = []  # everything the C++ side points into
+        host_inputs = [_to_numpy(x) for x in inputs]
+        outputs: list[np.ndarray] = []
+        backings: list[np.ndarray] = []
+        for shape, dtype in zip(output_shapes, output_dtypes):
+            np_dtype = _TYPES[dtype][1]
+            size = int(np.prod(shape, dtype=np.int64))
+            nbytes = size * np.dtype(np_dtype).itemsize
+            backing = np.full(nbytes + 2 * GUARD_BYTES, _GUARD, dtype=np.uint8)
+            body = backing[GUARD_BYTES:GUARD_BYTES + nbytes].view(np_dtype)
+            if init_value is None:
+                body.view(np.uint8)[:] = 0xFF  # NaN for floats, -1 / max for integers
+            else:
+                body[:] = np.asarray(init_value).astype(np_dtype)
+            backings.append(backing)
+            outputs.append(body.reshape(shape))
+
+        table = []
+        for index, role in layout:
+            if index < 0:
+                table.append(outputs[-1 - index].ctypes.data)
+                continue
+            arr = host_inputs[index]
+            if role == "data":
+                table.append(arr.ctypes.data if arr.size else 0)
+                continue
+            if role == "shape":
+                extra = np.asarray(arr.shape, dtype=np.int32)
+            elif role == "strides":
+                extra = np.asarray([s // arr.itemsize for s in arr.strides], dtype=np.int64)
+            else:
+                extra = np.asarray(arr.ndim, dtype=np.int32)
+            keep.append(extra)
+            table.append(extra.ctypes.data)
+        table_c = (ctypes.c_void_p * max(1, len(table)))(*table)
+        grid_c = (ctypes.c_longlong * 3)(*[int(v) for v in grid])
+        tg_c = (ctypes.c_longlong * 3)(*[int(v) for v in threadgroup])
+        err = ctypes.create_string_buffer(4096)
+        rc = lib.emu_launch(
+            table_c, grid_c, tg_c, ORDERS[order], seed,
+            workers or _default_workers(), err, len(err),
+        )
+        if rc != 0:
+            raise EmulationError(f"{self.name}: {err.value.decode(errors='replace')}")
+        for name, backing in zip(self.output_names, backings):
+            if (backing[:GUARD_BYTES] != _GUARD).any() or (backing[-GUARD_BYTES:] != _GUARD).any():
+                raise EmulationError(f"{self.name}: the kernel wrote outside output '{name}'")
+        del keep
+        return [_from_numpy(o, d) for o, d in zip(outputs, output_dtypes)]
+
+
+def metal_kernel(name, input_names, output_names, source, header="",
+                 ensure_row_contiguous=True, atomic_outputs=False, compile_options=None):
+    """Drop-in for ``mx.fast.metal_kernel`` that runs on the CPU emulator."""
+    return EmulatedKernel(name, input_names, output_names, source, header,
+                          ensure_row_contiguous, atomic_outputs, compile_options)
+
+
+def run_kernel(name: str, *inputs, source: Optional[str] = None, order: str = "shuffle",
+               seed: int = 0, compare: bool = True, **params):
+    """Run registered kernel ``name`` through the harness on ``inputs``/``params``
+    (the same arguments the kernel's dispatcher takes) and, with ``compare``,
+    check it against the pure-MLX reference. ``source`` replaces the kernel body
+    (to test mutations). Returns (emulated outputs, mismatch message or None).
+    """
+    from .. import kernels
+
+    kernel = kernels.get(name)
+    backend = kernels.emulated_backend(order=order, seed=seed)
+    got = kernel.launch(*inputs, backend=backend, source=source, **params)
+    if not compare:
+        return got, None
+    want = kernel.reference(*inputs, **params)
+    return got, kernel.spec.compare(got, want, inputs, params)
+
+
+__all__ = [
+    "EmulatedKernel", "EmulationError", "compile_source", "metal_kernel", "run_kernel",
+    "rewrite_threadgroup", "write_signature", "cache_dir",
+]
