@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from . import kernels
 from .errors import DFlashError
 
 SLIDING = "sliding_attention"
@@ -239,10 +240,22 @@ class DFlashDraft(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def inject(self, features: mx.array, cache: list[KVCache]) -> None:
-        """Append target features [B, T, k*H] (the next T positions) to every layer's cache."""
+        """Append target features [B, T, k*H] (the next T positions) to every layer's cache.
+
+        One matmul projects K and V for all layers (the stacked weights of
+        kernels.kv_inject.InjectionPlan), then one kv_inject launch (or its
+        MLX reference) applies every k_norm and RoPE. Layer by layer only for a
+        RoPE the kernel does not implement (reported once, with the reason).
+        """
         ctx = self.hidden_norm(self.fc(features))
-        for layer, c in zip(self.layers, cache):
-            c.update_and_fetch(*layer.self_attn.keys_values(ctx, c.offset))
+        plan = kernels.kv_inject.injection_plan(self, cache)
+        if plan is None:
+            for layer, c in zip(self.layers, cache):
+                c.update_and_fetch(*layer.self_attn.keys_values(ctx, c.offset))
+            return
+        keys, values = plan(ctx, cache[0].offset)
+        for i, c in enumerate(cache):
+            c.update_and_fetch(keys[i], values[i])
 
     def __call__(self, block_embeddings: mx.array, cache: list[KVCache]) -> mx.array:
         """Final-normed hidden states [B, b, H] for a block placed right after the context."""
