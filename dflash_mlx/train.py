@@ -12,11 +12,11 @@ The objective is the published block-diffusion recipe (DESIGN.md §2):
 - the target's embedding and LM head are shared and frozen; the draft's
   layers, ``fc`` and norms are trained.
 
-Many blocks of one sequence are trained in one forward: the blocks are
-concatenated as queries over [context ; all blocks] keys with a mask that lets
-block j see context positions < anchor_j (and >= anchor_j - window on sliding
-layers) plus its own block. ``draft_train_forward`` reuses the draft's own
-modules (``keys_values`` for K/V, the same norms and projections), and a test
+Many blocks of one sequence are trained in one forward: every block's queries
+score the shared context keys, masked to positions < anchor_j (and >=
+anchor_j - window on sliding layers), plus its own block's keys only.
+``draft_train_forward`` reuses the draft's own modules (``keys_values`` for
+K/V, the same norms and projections), and a test
 checks it against the cached inference path block by block.
 """
 
@@ -132,22 +132,39 @@ def draft_config_for(target: Target, cfg: DraftTrainConfig, mask_token_id: int) 
 # the training forward
 
 
-def block_attention_mask(
-    anchors: mx.array, seq_len: int, block_size: int, window: Optional[int] = None
-) -> mx.array:
-    """Boolean mask [B, 1, m*b, T + m*b]: block j sees context < anchor_j (and
-    >= anchor_j - window) and every position of its own block."""
-    B, m = anchors.shape
-    b = block_size
-    a = mx.repeat(anchors, b, axis=1)[:, :, None]  # [B, m*b, 1]
+def context_mask(anchors: mx.array, seq_len: int, window: Optional[int] = None) -> mx.array:
+    """Boolean [B, m, T]: block j sees context positions < anchor_j (and
+    >= anchor_j - window on sliding layers)."""
     pos = mx.arange(seq_len)[None, None, :]
-    ctx = pos < a
+    a = anchors[:, :, None]
+    mask = pos < a
     if window is not None:
-        ctx = ctx & (pos >= a - window)
-    blk_q = mx.repeat(mx.arange(m), b)
-    own = blk_q[:, None] == blk_q[None, :]  # [m*b, m*b]
-    own = mx.broadcast_to(own[None], (B, m * b, m * b))
-    return mx.concatenate([ctx, own], axis=-1)[:, None]
+        mask = mask & (pos >= a - window)
+    return mask
+
+
+def _block_attention(q, kc, vc, kb, vb, ctx_mask, scale):
+    """Attention of every block over [its context ; itself].
+
+    q: [B, m, nh, b, hd]; kc, vc: [B, nkv, T, hd] (context, shared by all
+    blocks); kb, vb: [B, m, nkv, b, hd] (each block's own keys); ctx_mask:
+    [B, m, T]. Scores are split into a context part and a b x b own-block
+    part, so no block ever scores another block's keys. Returns [B, m, b, nh*hd].
+    """
+    B, m, nh, b, hd = q.shape
+    nkv, T = kc.shape[1], kc.shape[2]
+    rep = nh // nkv
+    q = (q * scale).reshape(B, m, nkv, rep, b, hd).transpose(0, 2, 3, 1, 4, 5)  # [B,nkv,rep,m,b,hd]
+    kb = kb.transpose(0, 2, 1, 3, 4)[:, :, None]  # [B, nkv, 1, m, b, hd]
+    vb = vb.transpose(0, 2, 1, 3, 4)[:, :, None]
+    s_ctx = (q.reshape(B, nkv, rep, m * b, hd) @ kc[:, :, None].swapaxes(-1, -2))
+    s_ctx = s_ctx.reshape(B, nkv, rep, m, b, T)
+    s_ctx = mx.where(ctx_mask[:, None, None, :, None, :], s_ctx, -mx.inf)
+    s_blk = q @ kb.swapaxes(-1, -2)  # [B, nkv, rep, m, b, b]
+    p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
+    out = (p[..., :T].reshape(B, nkv, rep, m * b, T) @ vc[:, :, None]).reshape(B, nkv, rep, m, b, hd)
+    out = out + p[..., T:] @ vb
+    return out.transpose(0, 3, 4, 1, 2, 5).reshape(B, m, b, nh * hd)
 
 
 def draft_train_forward(
@@ -159,7 +176,8 @@ def draft_train_forward(
     [x_a, mask, ..., mask] concatenated; features: [B, T, k*H] target features
     of every position; anchors: [B, m] int positions of the blocks' first
     token. Equals, block by block, ``inject(features[:, :a])`` followed by
-    ``draft(block)`` on a fresh cache.
+    ``draft(block)`` on a fresh cache: the same modules (``keys_values`` for
+    K/V, the same norms, projections and RoPE at absolute positions).
     """
     B, T, _ = features.shape
     m = anchors.shape[1]
@@ -172,24 +190,15 @@ def draft_train_forward(
         attn = layer.self_attn
         window = attn.sliding_window
         if window not in masks:
-            masks[window] = block_attention_mask(anchors, T, b, window)
-        kc, vc = attn.keys_values(ctx, 0)  # [B, nkv, T, hd]
+            masks[window] = context_mask(anchors, T, window)
+        kc, vc = attn.keys_values(ctx, 0)  # [B, nkv, T, hd] at positions 0..T-1
         x = layer.input_layernorm(h).reshape(B * m, b, -1)
         q = attn.q_norm(attn.q_proj(x).reshape(B * m, b, attn.n_heads, -1))
-        q = attn.rope(q.transpose(0, 2, 1, 3), offset=offsets)
-        kb, vb = attn.keys_values(x, offsets)
-
-        def regroup(t):  # [B*m, heads, b, hd] -> [B, heads, m*b, hd]
-            _, nh, _, hd = t.shape
-            return t.reshape(B, m, nh, b, hd).transpose(0, 2, 1, 3, 4).reshape(B, nh, m * b, hd)
-
-        keys = mx.concatenate([kc, regroup(kb)], axis=2)
-        values = mx.concatenate([vc, regroup(vb)], axis=2)
-        out = mx.fast.scaled_dot_product_attention(
-            regroup(q), keys, values, scale=attn.scale, mask=masks[window]
-        )
-        out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, m * b, -1))
-        h = h + out
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=offsets)  # [B*m, nh, b, hd]
+        kb, vb = attn.keys_values(x, offsets)  # [B*m, nkv, b, hd] at anchor..anchor+b-1
+        split = lambda t: t.reshape(B, m, *t.shape[1:])
+        out = _block_attention(split(q), kc, vc, split(kb), split(vb), masks[window], attn.scale)
+        h = h + attn.o_proj(out.reshape(B, m * b, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return draft.norm(h)
 
