@@ -153,3 +153,15 @@ def convert(
     except DFlashError as e:
         _fail(str(e))
     typer.echo(f"wrote {out}", err=True)
+
+
+@app.command()
+def doctor(
+    no_check: bool = typer.Option(
+        False, "--no-check", help="Do not run the kernels' self-checks (they only run where Metal is available)."
+    ),
+):
+    """Platform, MLX backend, Metal, each custom kernel's status and, on Linux, the BLAS in use."""
+    from .doctor import main
+
+    raise typer.Exit(main(check=not no_check, echo=typer.echo))
