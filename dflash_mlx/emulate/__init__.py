@@ -24,6 +24,13 @@ Entry points:
 The one rewrite of the source: a threadgroup array declaration
 ``threadgroup T name[N];`` becomes a reference into memory shared by the
 threads of the current threadgroup. It must be a single declarator.
+
+Differences from the GPU, besides speed: inputs always arrive row-contiguous
+(``*_strides`` describe that copy, as with ``ensure_row_contiguous=True``);
+float math is IEEE single precision with correctly rounded libm functions, so
+transcendental results may differ from Metal's in the last bits; lanes of a
+SIMD-group do not run in lockstep, so code that relies on lockstep without a
+barrier shows up as a race. ``simdgroup_matrix`` is not provided.
 """
 
 from __future__ import annotations
