@@ -36,6 +36,7 @@ def reference(kv, norm_w, inv_freq, offset, *, n_layers, n_kv, head_dim,
     B, T, _ = kv.shape
     x = kv.reshape(B, T, n_layers, 2, n_kv, head_dim).transpose(2, 3, 0, 4, 1, 5)
     freqs = 1.0 / inv_freq.astype(mx.float32)
+    norm_w = norm_w.astype(kv.dtype)  # the kernel's outputs have kv's dtype
     keys = []
     for layer in range(n_layers):
         k = mx.fast.rms_norm(x[layer, 0], norm_w[layer], eps)
