@@ -68,6 +68,7 @@ class DraftTrainConfig:
     batch_size: int = 8
     blocks_per_seq: int = 8
     gamma: float = 7.0  # loss weight exp(-(k-1)/gamma) at block position k
+    cache_features: bool = False  # self-distillation: run the target once per sequence (fp16 in RAM)
     # data
     self_distill: bool = False
     num_prompts: int = 2000
@@ -235,17 +236,46 @@ class DraftObjective:
         self.data = data
         self.seed = seed
         self.weights = position_weights(config.block_size, train.gamma)
+        self.features = None
+        if train.cache_features and isinstance(data, SequenceData):
+            self.features = self._precompute()
+
+    def _features(self, tokens: mx.array) -> mx.array:
+        return self.target.forward(tokens, None, self.config.target_layer_ids).features
+
+    def _precompute(self) -> np.ndarray:
+        """Target features of every sequence, once (float16, [N, seq_len, k*H])."""
+        n, T = len(self.data), self.train.seq_len
+        out = np.zeros((n, T, self.config.feature_size), np.float16)
+        t0 = time.perf_counter()
+        step = max(self.train.batch_size, 1)
+        for start in range(0, n, step):
+            idx = np.arange(start, min(start + step, n))
+            x, _, _ = self.data.rows(idx, T)
+            f = self._features(mx.array(x)).astype(mx.float16)
+            out[idx] = np.array(f)
+            if (start // step) % 50 == 0:
+                _log(f"  target features {start + len(idx)}/{n} "
+                     f"({(start + len(idx)) / (time.perf_counter() - t0):.1f} seq/s)")
+        _log(f"cached target features for {n} sequences ({out.nbytes / 2**30:.2f} GiB)")
+        return out
 
     def batch(self, step: int, micro: int):
         cfg, b = self.train, self.config.block_size
         rng = np.random.default_rng([self.seed, step, micro])
-        x, lo, hi = self.data.sample(rng, cfg.batch_size, cfg.seq_len)
+        if self.features is not None:
+            idx = self.data.sample_indices(rng, cfg.batch_size)
+            x, lo, hi = self.data.rows(idx, cfg.seq_len)
+        else:
+            x, lo, hi = self.data.sample(rng, cfg.batch_size, cfg.seq_len)
         anchors = sample_anchors(rng, lo, hi, cfg.blocks_per_seq, b)
-        tokens = mx.array(x)
-        feats = self.target.forward(tokens, None, self.config.target_layer_ids).features
+        if self.features is not None:
+            feats = mx.array(self.features[idx]).astype(mx.float32)
+        else:
+            feats = self._features(mx.array(x))
         rows = np.arange(len(x))[:, None, None]
-        idx = anchors[:, :, None] + np.arange(b)[None, None, :]  # [B, m, b]
-        block = x[rows, idx].copy()
+        idx_blk = anchors[:, :, None] + np.arange(b)[None, None, :]  # [B, m, b]
+        block = x[rows, idx_blk].copy()
         labels = block[:, :, 1:].copy()
         block[:, :, 1:] = self.config.mask_token_id
         emb = self.target.embed(mx.array(block.reshape(len(x), -1)))
@@ -542,3 +572,56 @@ def train_draft(
         )
         (out / "eval.json").write_text(json.dumps(r, indent=2))
     return result
+
+
+def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:
+    """'1,4,7' -> [1, 4, 7]; None or '' -> None (the published default)."""
+    if not text:
+        return None
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise DFlashError(f"--target-layer-ids must be comma-separated integers, got '{text}'") from None
+
+
+def run_cli(
+    *, model: str, out: str, data: list[str], self_distill: bool, layers: int,
+    target_layer_ids: Optional[str], block_size: int, mask_token_id: Optional[int],
+    heads: Optional[int], kv_heads: Optional[int], head_dim: Optional[int],
+    intermediate_size: Optional[int], sliding_window: Optional[int], steps: int,
+    batch_size: int, seq_len: int, blocks_per_seq: int, gamma: float, lr: float,
+    warmup: int, min_lr_ratio: float, weight_decay: float, grad_accum: int, grad_clip: float,
+    num_prompts: int, distill_tokens: int, cache_features: bool, eval_prompts: Optional[list[str]], eval_count: int,
+    eval_tokens: int, eval_every: int, checkpoint_every: int, seed: int, resume: bool,
+    export_hf: Optional[str], hf_dtype: str,
+) -> dict:
+    """``dflash-mlx train``: build the configs from command-line values and train."""
+    if not data:
+        raise DFlashError("give training data with --data (text or JSONL files or directories)")
+    for name, value in (("--steps", steps), ("--batch-size", batch_size), ("--layers", layers),
+                        ("--blocks-per-seq", blocks_per_seq), ("--grad-accum", grad_accum)):
+        if value <= 0:
+            raise DFlashError(f"{name} must be positive, got {value}")
+    if block_size < 2:
+        raise DFlashError(f"--block-size must be at least 2, got {block_size}")
+    if hf_dtype not in ("bfloat16", "float16", "float32"):
+        raise DFlashError(f"--hf-dtype must be bfloat16, float16 or float32, got '{hf_dtype}'")
+    train = DraftTrainConfig(
+        num_layers=layers, target_layer_ids=parse_layer_ids(target_layer_ids),
+        block_size=block_size, mask_token_id=mask_token_id, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+        sliding_window=sliding_window, seq_len=seq_len, batch_size=batch_size,
+        blocks_per_seq=blocks_per_seq, gamma=gamma, self_distill=self_distill,
+        num_prompts=num_prompts, distill_tokens=distill_tokens, cache_features=cache_features,
+        eval_prompts=eval_count,
+        eval_tokens=eval_tokens, eval_every=eval_every,
+    )
+    optim_cfg = OptimConfig(
+        steps=steps, learning_rate=lr, warmup_steps=min(warmup, steps), min_lr_ratio=min_lr_ratio,
+        weight_decay=weight_decay, grad_clip=grad_clip, grad_accum=grad_accum,
+        checkpoint_every=checkpoint_every, seed=seed,
+    )
+    return train_draft(
+        model, out, data, train, optim_cfg, eval_prompt_paths=eval_prompts,
+        export_hf_dir=export_hf, hf_dtype=hf_dtype, resume=resume,
+    )

@@ -173,7 +173,14 @@ class SequenceData(Dataset):
         return len(self.sequences)
 
     def sample(self, rng, batch, seq_len):
-        idx = rng.integers(0, len(self.sequences), size=batch)
+        return self.rows(self.sample_indices(rng, batch), seq_len)
+
+    def sample_indices(self, rng, batch) -> np.ndarray:
+        return rng.integers(0, len(self.sequences), size=batch)
+
+    def rows(self, idx, seq_len):
+        """(tokens [len(idx), seq_len], lo, hi) of the given sequences."""
+        batch = len(idx)
         x = np.full((batch, seq_len), self.pad_id, np.int32)
         lo = np.empty(batch, np.int64)
         hi = np.empty(batch, np.int64)

@@ -227,6 +227,7 @@ def fit(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     optimizer = make_optimizer(cfg)
+    schedule = lr_schedule(cfg)
     extra = {"optim": asdict(cfg), **(extra or {})}
     step = 0
     existing = list_checkpoints(out_dir) if resume else []
@@ -260,7 +261,7 @@ def fit(
         grads = tree_map(lambda g: g / total_weight, grads)
         if cfg.grad_clip > 0:
             grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-        lr = optimizer.learning_rate.item()
+        lr = schedule(step).item()  # what this update uses
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state)
         step += 1

@@ -207,3 +207,18 @@ def test_resuming_with_other_settings_is_refused(hybrid, target_dirs, corpus, tm
     with pytest.raises(DFlashError, match="different"):
         train_draft(*args, DraftTrainConfig(**{**TINY, "num_layers": 1}),
                     OptimConfig(steps=2, warmup_steps=0), model_and_tokenizer=hybrid)
+
+
+def test_cached_features_equal_live_ones_to_float16(hybrid, corpus):
+    model, tokenizer = hybrid
+    target = Target(model)
+    seqs = [np.array(tokenizer.encode(l), np.int32) for l in corpus[0].read_text().splitlines()[:12]]
+    data = SequenceData(seqs, [3] * len(seqs), pad_id=2)
+    live_cfg = DraftTrainConfig(**{**TINY, "seq_len": 24, "blocks_per_seq": 2})
+    cached_cfg = DraftTrainConfig(**{**TINY, "seq_len": 24, "blocks_per_seq": 2, "cache_features": True})
+    config = draft_config_for(target, live_cfg, target.vocab_size - 1)
+    live = DraftObjective(target, config, live_cfg, data, seed=0).batch(5, 1)
+    cached = DraftObjective(target, config, cached_cfg, data, seed=0).batch(5, 1)
+    for i in (0, 2, 3):
+        assert mx.array_equal(live[i], cached[i]).item()
+    assert mx.allclose(live[1], cached[1], rtol=2e-3, atol=2e-3).item()
