@@ -50,8 +50,24 @@ def generate(
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed the prompt as is."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     prefill_step_size: int = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill chunk."),
+    temp: float = typer.Option(0.0, "--temp", "-t", help="Sampling temperature; 0 is greedy. Lossless at any value."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed; the same seed gives the same tokens."),
+    repetition_penalty: Optional[float] = typer.Option(
+        None, "--repetition-penalty", help="mlx-lm's repetition penalty (e.g. 1.1), applied exactly."
+    ),
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
+    from .sampling import SamplingParams
+
+    sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                    repetition_penalty=repetition_penalty)
+    try:
+        SamplingParams(**sampling).validate()
+    except DFlashError as e:
+        _fail(str(e))
     if max_tokens <= 0:
         _fail(f"--max-tokens must be positive, got {max_tokens}")
     if block_size is not None and block_size < 2:
@@ -64,12 +80,13 @@ def generate(
             + ", ".join(KNOWN_PAIRS)
         )
     try:
-        _run(model, draft, text, max_tokens, block_size, not no_chat_template, system, prefill_step_size)
+        _run(model, draft, text, not no_chat_template, system, block_size=block_size,
+             max_tokens=max_tokens, prefill_step_size=prefill_step_size, **sampling)
     except DFlashError as e:
         _fail(str(e))
 
 
-def _run(model_id, draft_id, text, max_tokens, block_size, chat, system, prefill_step_size):
+def _run(model_id, draft_id, text, chat, system, **options):
     from .generate import stream_generate
     from .loading import load, load_draft
 
@@ -79,10 +96,7 @@ def _run(model_id, draft_id, text, max_tokens, block_size, chat, system, prefill
         text = _chat_prompt(tokenizer, text, system)
     accepted = cycles = 0
     last = None
-    for r in stream_generate(
-        model, draft, tokenizer, text, block_size=block_size,
-        max_tokens=max_tokens, prefill_step_size=prefill_step_size,
-    ):
+    for r in stream_generate(model, draft, tokenizer, text, **options):
         sys.stdout.write(r.text)
         sys.stdout.flush()
         if last is not None:
@@ -90,7 +104,7 @@ def _run(model_id, draft_id, text, max_tokens, block_size, chat, system, prefill
             accepted += r.accepted
         last = r
     sys.stdout.write("\n")
-    b = block_size or draft.config.block_size
+    b = options["block_size"] or draft.config.block_size
     tau = (accepted + cycles) / cycles if cycles else float("nan")
     rate = accepted / (cycles * (b - 1)) if cycles else float("nan")
     typer.echo(

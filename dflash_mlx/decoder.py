@@ -1,31 +1,31 @@
 """The lossless block speculative loop (DESIGN.md §2), one cycle at a time.
 
-``SpeculativeDecoder`` owns the target cache. Each ``cycle()`` asks a proposer
-for b-1 tokens after the pending token y, verifies [y, d_1..d_{b-1}] in one
-target pass, keeps the longest prefix that matches the target's own greedy
-choices plus the target's bonus token, rolls the cache back exactly and hands
-the accepted positions' features to the proposer. The host reads one small
-result per cycle.
+``SpeculativeDecoder`` owns the target cache. Each ``cycle()`` takes the
+proposer's b-1 tokens after the pending token y, verifies [y, d_1..d_{b-1}] in
+one target pass, keeps the accepted prefix plus the target's own next token
+(greedy match, or rejection sampling at temperature > 0), rolls the cache back
+exactly and hands the accepted positions' features to the proposer. The host
+reads one small result per cycle.
 """
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import mlx.core as mx
 
 from .draft import DFlashDraft
+from .sampling import BlockSampler, SamplingParams
 from .target import Target
-from .verify import greedy_verify
 
 
 class Proposer(Protocol):
     """Anything that proposes block tokens: the DFlash draft, or a test oracle."""
 
-    def observe(self, features: mx.array) -> None:
-        """Features [1, T, k*H] of the next T committed positions."""
+    def observe(self, features: mx.array, tokens: mx.array) -> None:
+        """Features [1, T, k*H] and ids [T] of the next T committed positions."""
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
-        """b-1 proposed tokens (int32 [b-1]) following token y ([1])."""
+        """Logits [b-1, V] for the b-1 tokens following token y ([1])."""
 
 
 class DraftProposer:
@@ -37,15 +37,14 @@ class DraftProposer:
         self.cache = draft.make_cache()
         self.mask_token_id = draft.config.mask_token_id
 
-    def observe(self, features: mx.array) -> None:
+    def observe(self, features: mx.array, tokens: mx.array) -> None:
         self.draft.inject(features, self.cache)
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
         masks = mx.full((block_size - 1,), self.mask_token_id, dtype=y.dtype)
         block = mx.concatenate([y, masks])[None]
         hidden = self.draft(self.target.embed(block), self.cache)
-        logits = self.target.logits(hidden[:, 1:])
-        return mx.argmax(logits[0], axis=-1).astype(y.dtype)
+        return self.target.logits(hidden[:, 1:])[0]
 
 
 @dataclass
@@ -64,46 +63,60 @@ class SpeculativeDecoder:
         layer_ids: list[int],
         block_size: int,
         prefill_step_size: int = 2048,
+        sampler: Optional[BlockSampler] = None,
     ):
         self.target = target
         self.proposer = proposer
         self.layer_ids = layer_ids
         self.block_size = block_size
         self.prefill_step_size = prefill_step_size
+        self.sampler = sampler or BlockSampler(SamplingParams())
         self.cache = target.make_cache()
-        self.pending: mx.array | None = None  # y: chosen but not yet fed to the target
-        self.drafted: mx.array | None = None  # the proposal after y, already queued
+        self.recent: list[int] = []  # committed tokens the logits processors may see
+        self.pending: Optional[mx.array] = None  # y: chosen but not yet fed to the target
+        self.drafted: Optional[mx.array] = None  # the proposal after y, already queued
+        self.draft_logprobs: Optional[mx.array] = None  # q, when sampling
+
+    def _remember(self, tokens: list[int]) -> None:
+        keep = self.sampler.params.context_size
+        self.recent = (self.recent + tokens)[-keep:] if keep else []
 
     def prefill(self, prompt: mx.array) -> int:
         """Feed the prompt in chunks; return the first generated token."""
         for start in range(0, prompt.size, self.prefill_step_size):
-            chunk = prompt[start : start + self.prefill_step_size][None]
-            out = self.target.forward(chunk, self.cache, self.layer_ids)
-            self.proposer.observe(out.features)
+            chunk = prompt[start : start + self.prefill_step_size]
+            out = self.target.forward(chunk[None], self.cache, self.layer_ids)
+            self.proposer.observe(out.features, chunk)
             mx.eval([c.state for c in self.cache], out.hidden)
             mx.clear_cache()
+        self._remember(prompt.tolist())
         logits = self.target.logits(out.hidden[:, -1])
-        self.pending = mx.argmax(logits, axis=-1).astype(mx.int32)
+        logits = self.sampler.process(logits, mx.array(self.recent, dtype=mx.int32))
+        self.pending = self.sampler.first_token(logits)
         first = self.pending.item()
         self._queue_draft()
         return first
 
     def _queue_draft(self) -> None:
         # start drafting the next block while the host streams this cycle's text
-        self.drafted = self.proposer.propose(self.pending, self.block_size)
+        logits = self.proposer.propose(self.pending, self.block_size)
+        self.drafted, self.draft_logprobs = self.sampler.draft(logits)
         mx.async_eval(self.drafted)
 
     def cycle(self) -> Cycle:
         """One draft + verify + commit cycle; returns the committed tokens."""
         y, drafted = self.pending, self.drafted
-        block = mx.concatenate([y, drafted])[None]
-        out = self.target.forward(block, self.cache, self.layer_ids, record=True)
-        accepted, next_token = greedy_verify(self.target.logits(out.hidden), drafted[None])
+        block = mx.concatenate([y, drafted])
+        out = self.target.forward(block[None], self.cache, self.layer_ids, record=True)
+        history = mx.concatenate([mx.array(self.recent, dtype=mx.int32), block])
+        logits = self.sampler.process(self.target.logits(out.hidden)[0], history)
+        accepted, next_token = self.sampler.verify(logits, drafted, self.draft_logprobs)
         mx.eval(accepted, next_token, drafted)  # the one sync of the cycle
         a = accepted.item()
-        tokens = drafted[:a].tolist() + [next_token.item()]
+        committed = block[: a + 1].tolist()
         self.target.rollback(self.cache, out, a + 1)
-        self.proposer.observe(out.features[:, : a + 1])
+        self.proposer.observe(out.features[:, : a + 1], block[: a + 1])
+        self._remember(committed)
         self.pending = next_token
         self._queue_draft()
-        return Cycle(tokens, a)
+        return Cycle(committed[1:] + [next_token.item()], a)

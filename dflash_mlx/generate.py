@@ -16,6 +16,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .decoder import DraftProposer, SpeculativeDecoder
 from .draft import DFlashDraft
 from .errors import DFlashError
+from .sampling import BlockSampler, SamplingParams
 from .target import Target
 
 CLEAR_CACHE_EVERY = 64  # cycles between frees of MLX's allocator cache on long runs
@@ -112,21 +113,30 @@ def stream_generate(
     prefill_step_size: int = 2048,
     min_p: float = 0.0,
     seed: Optional[int] = None,
+    repetition_penalty: Optional[float] = None,
+    repetition_context_size: int = 20,
+    presence_penalty: Optional[float] = None,
+    frequency_penalty: Optional[float] = None,
+    logit_bias: Optional[dict[int, float]] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
-    At temperature 0 the tokens are exactly the target's own greedy tokens.
-    ``prompt`` is a string (encoded as is, no chat template), a list of ids or
-    an ``mx.array``. Generation stops at EOS (not emitted) or after exactly
-    ``max_tokens`` tokens.
+    The output is distributed exactly as the target's own decoding with mlx-lm's
+    sampler and logits processors of the same settings: at temperature 0 it is
+    the target's greedy tokens; above 0, drafts pass through lossless rejection
+    sampling. ``prompt`` is a string (encoded as is, no chat template), a list of
+    ids or an ``mx.array``. Generation stops at EOS (not emitted) or after
+    exactly ``max_tokens`` tokens. ``seed`` makes sampling reproducible.
     """
-    if temperature < 0:
-        raise DFlashError(f"temperature must be >= 0, got {temperature}")
-    if temperature > 0:
-        raise DFlashError(
-            "temperature > 0 is not supported yet (lossless sampling is not implemented); "
-            "use temperature=0"
+    sampler = BlockSampler(
+        SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+            repetition_penalty=repetition_penalty,
+            repetition_context_size=repetition_context_size,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
         )
+    )
     if max_tokens <= 0:
         raise DFlashError(f"max_tokens must be positive, got {max_tokens}")
     if prefill_step_size <= 0:
@@ -149,6 +159,7 @@ def stream_generate(
         draft.config.target_layer_ids,
         block_size,
         prefill_step_size,
+        sampler,
     )
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
         tic = time.perf_counter()

@@ -35,3 +35,34 @@ def greedy_verify_reference(logits: mx.array, drafted: mx.array) -> tuple[mx.arr
     accepted = mx.cumprod(matches, axis=1).sum(axis=1).astype(mx.int32)
     next_token = mx.take_along_axis(choices, accepted[:, None], axis=1)[:, 0]
     return accepted, next_token
+
+
+def sampled_verify(
+    target_logprobs: mx.array, draft_logprobs: mx.array, drafted: mx.array, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Lossless rejection sampling of a block (DESIGN.md §2).
+
+    target_logprobs: [B, b, V] warped target log-probabilities p_0..p_{b-1}.
+    draft_logprobs: [B, b-1, V] warped draft log-probabilities q_1..q_{b-1}.
+    drafted: [B, b-1] int32 tokens, d_i drawn from q_i.
+    Accept d_i with probability min(1, p(d_i)/q(d_i)) in order; at the first
+    rejection draw from normalize(max(p - q, 0)) (p itself if that has no mass);
+    if all are accepted draw the bonus from the last p. Returns (accepted [B],
+    next_token [B]).
+    """
+    u_key, draw_key = mx.random.split(key)
+    p = mx.exp(target_logprobs)
+    q = mx.exp(draft_logprobs)
+    p_drafted = mx.take_along_axis(p[:, :-1], drafted[..., None], axis=-1)[..., 0]
+    q_drafted = mx.take_along_axis(q, drafted[..., None], axis=-1)[..., 0]
+    u = mx.random.uniform(shape=drafted.shape, key=u_key)
+    accept = (u * q_drafted < p_drafted).astype(mx.int32)
+    accepted = mx.cumprod(accept, axis=1).sum(axis=1).astype(mx.int32)
+    # row i < b-1: the residual after rejecting d_{i+1}; row b-1: the bonus p
+    residual = mx.maximum(p[:, :-1] - q, 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    residual = mx.where(mass > 0, residual, p[:, :-1])
+    rows = mx.concatenate([residual, p[:, -1:]], axis=1)
+    row = mx.take_along_axis(rows, accepted[:, None, None], axis=1)[:, 0]
+    next_token = mx.random.categorical(mx.log(row), key=draw_key).astype(mx.int32)
+    return accepted, next_token

@@ -61,6 +61,14 @@ def test_generate_applies_the_chat_template_and_reads_stdin(pair):
     assert result.stdout.strip() == tokenizer.decode(want).strip()
 
 
+def test_seeded_sampling_is_reproducible(pair):
+    target, draft = pair
+    args = ["generate", "-m", target, "-d", draft, "-p", "hello", "-n", 16, "--temp", 0.8, "--top-k", 20]
+    first, second = run(*args, "--seed", 3), run(*args, "--seed", 3)
+    assert first.exit_code == 0, first.stderr
+    assert first.stdout == second.stdout and first.stdout.strip()
+
+
 def test_models_lists_the_registry():
     result = run("models")
     assert result.exit_code == 0
@@ -143,6 +151,8 @@ def test_unknown_target_without_draft_lists_known_targets(pair):
         (["-p", "hi", "-n", "0"], "--max-tokens must be positive"),
         (["-p", "hi", "-n", "-3"], "--max-tokens must be positive"),
         (["-p", "hi", "-b", "1"], "--block-size must be at least 2"),
+        (["-p", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["-p", "hi", "--temp", "-1"], "temperature must be >= 0"),
     ],
 )
 def test_bad_arguments(pair, args, fragment):

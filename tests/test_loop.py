@@ -86,15 +86,20 @@ class OracleProposer:
         self.corrupt_at = corrupt_at
         self.vocab_size = vocab_size
 
-    def observe(self, features):
-        self.position += features.shape[1]
+    def observe(self, features, tokens):
+        self.position += tokens.size
 
     def propose(self, y, block_size):
         start = self.position - self.prompt_len + 1  # index of d_1 in the continuation
         tokens = list(self.continuation[start : start + block_size - 1])
         if self.corrupt_at is not None:
             tokens[self.corrupt_at] = (tokens[self.corrupt_at] + 1) % self.vocab_size
-        return mx.array(tokens, dtype=mx.int32)
+        return one_hot_logits(tokens, self.vocab_size)
+
+
+def one_hot_logits(tokens, vocab_size):
+    """Logits whose argmax is each of ``tokens``."""
+    return (mx.arange(vocab_size)[None] == mx.array(tokens)[:, None]).astype(mx.float32)
 
 
 def assert_cache_equals_fresh_prefill(model, cache, committed):
@@ -137,9 +142,9 @@ class RecordingProposer(DraftProposer):
         super().__init__(draft, target)
         self.seen = []
 
-    def observe(self, features):
+    def observe(self, features, tokens):
         self.seen.append(features)
-        super().observe(features)
+        super().observe(features, tokens)
 
 
 class Passthrough(nn.Module):

@@ -1,0 +1,133 @@
+"""Sampling for the block loop: one warping for target (p) and draft (q),
+logits processors applied exactly as autoregressive decoding would, and the
+per-cycle choices (draft tokens, verification, first token).
+
+Warping follows mlx-lm's ``make_sampler`` so that "the target's distribution"
+means what it means in mlx-lm: top-p, then min-p, then top-k on the untempered
+log-probabilities, then the temperature.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from .errors import DFlashError
+from .verify import greedy_verify, sampled_verify
+
+
+@dataclass
+class SamplingParams:
+    """What the user asked for; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
+    presence_penalty: Optional[float] = None
+    presence_context_size: int = 20
+    frequency_penalty: Optional[float] = None
+    frequency_context_size: int = 20
+    logit_bias: Optional[dict[int, float]] = field(default=None)
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise DFlashError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise DFlashError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def context_size(self) -> int:
+        """How many trailing tokens the logits processors can look at."""
+        sizes = [
+            (self.repetition_penalty, self.repetition_context_size),
+            (self.presence_penalty, self.presence_context_size),
+            (self.frequency_penalty, self.frequency_context_size),
+        ]
+        return max([n for penalty, n in sizes if penalty] or [0])
+
+
+def warp(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Normalized log-probabilities [..., V] after top-p, min-p, top-k and temperature."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    if 0 < params.top_p < 1:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if 0 < params.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    logprobs = logprobs * (1.0 / params.temperature)
+    return logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+
+
+class BlockSampler:
+    """Turns logits into tokens for prefill, drafting and verification."""
+
+    def __init__(self, params: SamplingParams):
+        params.validate()
+        self.params = params
+        self.greedy = params.temperature == 0
+        self.processors = make_logits_processors(
+            params.logit_bias,
+            params.repetition_penalty,
+            params.repetition_context_size,
+            params.presence_penalty,
+            params.presence_context_size,
+            params.frequency_penalty,
+            params.frequency_context_size,
+        )
+        seed = params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
+        self.key = mx.random.key(seed)
+
+    def _next_key(self) -> mx.array:
+        self.key, key = mx.random.split(self.key)
+        return key
+
+    def process(self, logits: mx.array, history: mx.array) -> mx.array:
+        """Apply the logits processors to rows [n, V], where row i follows
+        ``history[: len(history) - n + 1 + i]``, just as decoding one token at a
+        time would have seen it."""
+        if not self.processors:
+            return logits
+        n = logits.shape[0]
+        rows = []
+        for i in range(n):
+            row = logits[i : i + 1]
+            seen = history[: history.size - n + 1 + i]
+            for processor in self.processors:
+                row = processor(seen, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def first_token(self, logits: mx.array) -> mx.array:
+        """The token after the prompt from logits [1, V]: int32 [1]."""
+        if self.greedy:
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        return mx.random.categorical(warp(logits, self.params), key=self._next_key()).astype(mx.int32)
+
+    def draft(self, logits: mx.array) -> tuple[mx.array, Optional[mx.array]]:
+        """Drafted tokens [b-1] from draft logits [b-1, V], with their warped
+        log-probabilities q (None when greedy)."""
+        if self.greedy:
+            return mx.argmax(logits, axis=-1).astype(mx.int32), None
+        q = warp(logits, self.params)
+        return mx.random.categorical(q, key=self._next_key()).astype(mx.int32), q
+
+    def verify(self, logits: mx.array, drafted: mx.array, q: Optional[mx.array]):
+        """(accepted, next_token) for target logits [b, V] over [y, d_1..d_{b-1}]."""
+        if self.greedy:
+            accepted, next_token = greedy_verify(logits[None], drafted[None])
+        else:
+            accepted, next_token = sampled_verify(
+                warp(logits, self.params)[None], q[None], drafted[None], self._next_key()
+            )
+        return accepted, next_token
