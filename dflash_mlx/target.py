@@ -58,6 +58,7 @@ class Target:
         self.layers = model.layers
         self.kinds = [_layer_kind(layer) for layer in self.layers]
         self.sliding_window = getattr(self.inner, "sliding_window", None)
+        self.args = text.args
         tied = text.args.tie_word_embeddings
         self.lm_head = self.inner.embed_tokens.as_linear if tied else text.lm_head
 
@@ -67,11 +68,11 @@ class Target:
 
     @property
     def hidden_size(self) -> int:
-        return self.inner.embed_tokens.weight.shape[-1]
+        return self.args.hidden_size  # not the weight's width: quantized weights are packed
 
     @property
     def vocab_size(self) -> int:
-        return self.inner.embed_tokens.weight.shape[0]
+        return self.args.vocab_size
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)
