@@ -38,7 +38,9 @@ def _chat_prompt(tokenizer, prompt: str, system: Optional[str]) -> str:
 
 @app.command()
 def generate(
-    model: str = typer.Option(..., "--model", "-m", help="Target: hub repo id or local mlx-lm directory."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m", help="Target: hub repo id or local mlx-lm directory. Default: the bundled demo pair (offline)."
+    ),
     draft: Optional[str] = typer.Option(
         None, "--draft", "-d", help="DFlash draft: hub repo id or local directory. Default: from the registry (see `dflash-mlx models`)."
     ),
@@ -73,6 +75,10 @@ def generate(
     if block_size is not None and block_size < 2:
         _fail(f"--block-size must be at least 2, got {block_size}")
     text = _read_prompt(prompt)
+    if model is None:
+        if draft is not None:
+            _fail("--draft needs --model (the target it was made for)")
+        model, draft = _demo_pair()
     draft = draft or find_draft(model)
     if draft is None:
         _fail(
@@ -84,6 +90,21 @@ def generate(
              max_tokens=max_tokens, prefill_step_size=prefill_step_size, **sampling)
     except DFlashError as e:
         _fail(str(e))
+
+
+def _demo_pair() -> tuple[str, str]:
+    from .demo import demo_pair
+
+    try:
+        pair = demo_pair()
+    except DFlashError as e:
+        _fail(str(e))
+    typer.echo(
+        "no --model given: using the bundled demo pair (a tiny Qwen3.5-hybrid Python code model "
+        "and its trained draft, offline); pass --model for a real model",
+        err=True,
+    )
+    return str(pair.target), str(pair.draft)
 
 
 def _run(model_id, draft_id, text, chat, system, **options):
@@ -179,3 +200,52 @@ def doctor(
     from .doctor import main
 
     raise typer.Exit(main(check=not no_check, echo=typer.echo))
+
+
+@app.command()
+def train(
+    model: str = typer.Option(..., "--model", "-m", help="Target: hub repo id or local mlx-lm directory."),
+    out: str = typer.Option(..., "--out", "-o", help="Run directory: checkpoints/, draft/ (MLX layout), eval.json."),
+    data: list[str] = typer.Option([], "--data", help="Text or JSONL file or directory; repeat for more. JSONL records: text, prompt (+ completion) or messages."),
+    self_distill: bool = typer.Option(False, "--self-distill", help="Train on the target's own greedy continuations of prompts from --data (the published recipe)."),
+    layers: int = typer.Option(1, "--layers", help="Draft layers."),
+    target_layer_ids: Optional[str] = typer.Option(None, "--target-layer-ids", help="Comma-separated target layers to read features from. Default: one per draft layer, spread over 1..L-3."),
+    block_size: int = typer.Option(16, "--block-size", "-b", help="Block size the draft is trained for."),
+    mask_token_id: Optional[int] = typer.Option(None, "--mask-token-id", help="Default: the tokenizer's mask token, else the last vocabulary id."),
+    heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads (default: the target's)."),
+    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads (default: the target's)."),
+    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Head dimension (default: the target's)."),
+    intermediate_size: Optional[int] = typer.Option(None, "--intermediate-size", help="MLP width (default: the target's)."),
+    sliding_window: Optional[int] = typer.Option(None, "--sliding-window", help="Make all layers but the last sliding-window layers."),
+    steps: int = typer.Option(1000, "--steps", help="Optimizer steps."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per micro-batch."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
+    blocks_per_seq: int = typer.Option(8, "--blocks-per-seq", help="Anchored blocks trained per sequence."),
+    gamma: float = typer.Option(7.0, "--gamma", help="Loss weight exp(-(k-1)/gamma) at block position k."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW)."),
+    warmup: int = typer.Option(100, "--warmup", help="Linear warmup steps before the cosine decay."),
+    min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="The cosine decays to lr * this."),
+    weight_decay: float = typer.Option(0.01, "--weight-decay"),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Global gradient-norm clip (0: off)."),
+    num_prompts: int = typer.Option(2000, "--num-prompts", help="Self-distillation: prompts to continue."),
+    distill_tokens: int = typer.Option(192, "--distill-tokens", help="Self-distillation: greedy tokens per prompt."),
+    cache_features: bool = typer.Option(False, "--cache-features", help="Self-distillation: run the target once per sequence and keep its features (float16) in memory."),
+    eval_prompts: Optional[list[str]] = typer.Option(None, "--eval-prompts", help="Held-out prompts (text/JSONL). Default: held out from --data."),
+    eval_count: int = typer.Option(8, "--eval-count", help="Held-out prompts for the tau eval (0: none)."),
+    eval_tokens: int = typer.Option(128, "--eval-tokens", help="Tokens generated per eval prompt."),
+    eval_every: int = typer.Option(0, "--eval-every", help="Also eval every N checkpoints (0: at the end only)."),
+    checkpoint_every: int = typer.Option(100, "--checkpoint-every", help="Steps between checkpoints."),
+    seed: int = typer.Option(0, "--seed"),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue exactly from the last checkpoint in --out."),
+    export_hf: Optional[str] = typer.Option(None, "--export-hf", help="Also write the z-lab Hugging Face layout here (for vLLM / SGLang)."),
+    hf_dtype: str = typer.Option("bfloat16", "--hf-dtype", help="dtype of the --export-hf weights."),
+):
+    """Train a DFlash draft for a target (block-diffusion objective, frozen target)."""
+    options = dict(locals())
+    try:
+        from .train import run_cli
+
+        run_cli(**options)
+    except DFlashError as e:
+        _fail(str(e))

@@ -222,3 +222,41 @@ def test_cached_features_equal_live_ones_to_float16(hybrid, corpus):
     for i in (0, 2, 3):
         assert mx.array_equal(live[i], cached[i]).item()
     assert mx.allclose(live[1], cached[1], rtol=2e-3, atol=2e-3).item()
+
+
+def test_cli_trains_resumes_and_exports(target_dirs, corpus, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    args = ["train", "--model", str(target_dirs["qwen3_5"]), "--out", str(tmp_path / "run"),
+            "--data", str(corpus[0]), "--layers", "2", "--block-size", "8", "--seq-len", "48",
+            "--batch-size", "2", "--blocks-per-seq", "2", "--steps", "4", "--warmup", "1",
+            "--checkpoint-every", "2", "--eval-count", "2", "--eval-tokens", "16",
+            "--export-hf", str(tmp_path / "hf"), "--target-layer-ids", "0,2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    assert "loss" in result.stderr and "tok/s" in result.stderr and "held-out tau" in result.stderr
+    draft = load_draft(str(tmp_path / "run" / "draft"))
+    assert draft.config.target_layer_ids == [0, 2]
+    assert load_draft(str(tmp_path / "hf")).config.block_size == 8
+    again = CliRunner().invoke(app, args)  # finished run: resumes at the last step, trains nothing
+    assert again.exit_code == 0 and "resuming from" in again.stderr and "step 1/" not in again.stderr
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ([], "--data"),
+    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+    (["--data", "X", "--block-size", "1"], "--block-size"),
+    (["--data", "X", "--target-layer-ids", "1,a"], "--target-layer-ids"),
+])
+def test_cli_train_bad_input_is_one_error_line(target_dirs, tmp_path, extra, fragment):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--model", str(target_dirs["qwen3_5"]),
+                                      "--out", str(tmp_path / "run"), *extra])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr
