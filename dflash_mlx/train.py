@@ -507,6 +507,7 @@ def train_draft(
 
     train = train or DraftTrainConfig()
     optim_cfg = optim_cfg or OptimConfig()
+    optim_cfg.validate()  # before any expensive data preparation
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = model_and_tokenizer or load(model_path)
