@@ -249,3 +249,60 @@ def train(
         run_cli(**options)
     except DFlashError as e:
         _fail(str(e))
+
+
+@app.command()
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: hub repo id or local mlx-lm directory. Default: the bundled demo pair."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash draft. Default: the registry's draft for --model (or the demo pair's)."),
+    prompts: str = typer.Option("builtin", "--prompts", "-p", help="builtin (32 tagged prompts), demo (the demo pair's held-out prompts) or a JSONL file of {prompt, category, id}."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per run."),
+    block_size: Optional[list[str]] = typer.Option(None, "--block-size", "-b", help="Block size(s) to compare; repeat or comma-separate (e.g. -b 16,8,4). Default: the draft's."),
+    temp: float = typer.Option(0.0, "--temp", "-t", help="Sampling temperature (0: greedy, where token identity is checked)."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    min_p: float = typer.Option(0.0, "--min-p"),
+    seed: int = typer.Option(0, "--seed", help="Random seed of both sides when sampling."),
+    repeat: int = typer.Option(1, "--repeat", "-r", help="Runs per prompt and arm."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use at most N prompts, taken round-robin over categories."),
+    category: Optional[list[str]] = typer.Option(None, "--category", help="Only these prompt categories (repeatable)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on the CPU backend, else as stored), keep, float32, float16 or bfloat16."),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed prompts as is."),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed short run of every arm first."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Write every raw figure, the machine and the config here."),
+    plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart (needs the plot extra: matplotlib)."),
+    predict: bool = typer.Option(False, "--predict", help="No run: predict the speedup on Apple M-series chips from bytes and FLOPs."),
+    tau: Optional[float] = typer.Option(None, "--tau", help="--predict: the acceptance length tau to assume."),
+    results: Optional[str] = typer.Option(None, "--results", help="--predict: take tau (and the pair) from a bench --json report."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="--predict: a published model instead of --model/--draft (qwen3.5-4b, qwen3.5-9b, qwen3.5-27b-4bit, qwen3.5-35b-a3b-4bit)."),
+    chip: Optional[list[str]] = typer.Option(None, "--chip", help="--predict: only these chips (e.g. 'M5 Max'); default: all."),
+    context: int = typer.Option(1024, "--context", help="--predict: tokens of context (KV cache read per pass)."),
+    neural_accelerators: bool = typer.Option(False, "--neural-accelerators", help="--predict: M5 chips at Apple's claimed GPU Neural Accelerator matmul rate."),
+    overhead_ms: float = typer.Option(0.0, "--overhead-ms", help="--predict: fixed cost added to every forward pass."),
+):
+    """Baseline (mlx-lm) and DFlash side by side: speedup, tau, acceptance, memory, identity."""
+    try:
+        from .bench import main_predict, main_run, parse_block_sizes
+
+        sizes = parse_block_sizes(block_size)
+        if predict:
+            main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
+                         block_sizes=sizes, chips=chip, context=context, dtype=dtype,
+                         neural=neural_accelerators, overhead_ms=overhead_ms, json_out=json_out)
+            return
+        if tau is not None or results or preset:
+            _fail("--tau, --results and --preset only apply with --predict")
+        from .sampling import SamplingParams
+
+        sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+        SamplingParams(**sampling).validate()
+        if max_tokens <= 0:
+            _fail(f"--max-tokens must be positive, got {max_tokens}")
+        if repeat <= 0:
+            _fail(f"--repeat must be positive, got {repeat}")
+        main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens,
+                 block_sizes=sizes, sampling=sampling, repeat=repeat, limit=limit,
+                 categories=category, dtype=dtype, chat_template=not no_chat_template,
+                 warmup=warmup, json_out=json_out, plot_out=plot_out)
+    except DFlashError as e:
+        _fail(str(e))
