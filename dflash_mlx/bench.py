@@ -126,8 +126,14 @@ def _record(prompt_tokens: int, tokens: list[int], finish: Optional[str], first_
 
 
 def _fresh() -> None:
+    """Before a run: let work the last run queued but never waited for (both
+    generators queue their next step ahead) finish off the clock, free the
+    allocator cache and reset the peak memory counter."""
     import mlx.core as mx
+    from mlx_lm.generate import generation_stream
 
+    mx.synchronize(generation_stream)
+    mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()
 
@@ -736,10 +742,10 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
               "draft_trained_block_size": dft.config.block_size}
     report = make_report(result, config, machine_info())
     validate_report(report)
-    render(report, out)
-    if json_out:
+    if json_out:  # first: a long run's figures survive a broken terminal
         write_json(report, json_out)
         err.print(f"wrote {json_out}")
+    render(report, out)
     if plot_out:
         plot(report, plot_out)
         err.print(f"wrote {plot_out}")
