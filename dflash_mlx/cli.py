@@ -272,7 +272,7 @@ def bench(
     json_out: Optional[str] = typer.Option(None, "--json", help="Write every raw figure, the machine and the config here."),
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart (needs the plot extra: matplotlib)."),
     predict: bool = typer.Option(False, "--predict", help="No run: predict the speedup on Apple M-series chips from bytes and FLOPs."),
-    tau: Optional[float] = typer.Option(None, "--tau", help="--predict: the acceptance length tau to assume."),
+    tau: Optional[float] = typer.Option(None, "--tau", help="--predict: the acceptance length tau at the first --block-size (others extrapolated)."),
     results: Optional[str] = typer.Option(None, "--results", help="--predict: take tau (and the pair) from a bench --json report."),
     preset: Optional[str] = typer.Option(None, "--preset", help="--predict: a published model instead of --model/--draft (qwen3.5-4b, qwen3.5-9b, qwen3.5-27b-4bit, qwen3.5-35b-a3b-4bit)."),
     chip: Optional[list[str]] = typer.Option(None, "--chip", help="--predict: only these chips (e.g. 'M5 Max'); default: all."),

@@ -33,7 +33,7 @@ from __future__ import annotations
 import copy
 import importlib
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 from .errors import DFlashError
@@ -357,7 +357,6 @@ class Prediction:
     draft_ms: float
     verify_ms: float
     verify_bound: str
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
