@@ -4,8 +4,8 @@ token it emits after them. One small result per cycle for the host.
 ``greedy_verify`` dispatches to the ``verify_greedy`` Metal kernel (one launch,
 one tiny packed result; see dflash_mlx/kernels) where it is active, and to
 ``greedy_verify_reference``, the pure-MLX semantics every backend must
-reproduce, everywhere else. A sampling kernel can sit beside it the same way,
-returning the same packed (accepted << 24 | token) result.
+reproduce, everywhere else. ``sampled_verify`` does the same with the
+``verify_sampled`` kernel and the same packed (accepted << 24 | token) result.
 """
 
 import mlx.core as mx
@@ -49,20 +49,14 @@ def sampled_verify(
     rejection draw from normalize(max(p - q, 0)) (p itself if that has no mass);
     if all are accepted draw the bonus from the last p. Returns (accepted [B],
     next_token [B]).
+
+    The randomness is drawn here, from ``key``: b+1 uniforms per sequence (one
+    per draft, two for the inverse-CDF draw of the next token). The rest is
+    deterministic and runs in the ``verify_sampled`` kernel where it is active
+    (one launch, one packed int per sequence), in its pure-MLX reference
+    (``kernels.verify_sampled.sample_reference``) everywhere else.
     """
-    u_key, draw_key = mx.random.split(key)
-    p = mx.exp(target_logprobs)
-    q = mx.exp(draft_logprobs)
-    p_drafted = mx.take_along_axis(p[:, :-1], drafted[..., None], axis=-1)[..., 0]
-    q_drafted = mx.take_along_axis(q, drafted[..., None], axis=-1)[..., 0]
-    u = mx.random.uniform(shape=drafted.shape, key=u_key)
-    accept = (u * q_drafted < p_drafted).astype(mx.int32)
-    accepted = mx.cumprod(accept, axis=1).sum(axis=1).astype(mx.int32)
-    # row i < b-1: the residual after rejecting d_{i+1}; row b-1: the bonus p
-    residual = mx.maximum(p[:, :-1] - q, 0.0)
-    mass = residual.sum(axis=-1, keepdims=True)
-    residual = mx.where(mass > 0, residual, p[:, :-1])
-    rows = mx.concatenate([residual, p[:, -1:]], axis=1)
-    row = mx.take_along_axis(rows, accepted[:, None, None], axis=1)[:, 0]
-    next_token = mx.random.categorical(mx.log(row), key=draw_key).astype(mx.int32)
-    return accepted, next_token
+    B, b = target_logprobs.shape[:2]
+    uniforms = mx.random.uniform(shape=(B, b + 1), key=key)
+    (packed,) = kernels.verify_sampled.KERNEL(target_logprobs, draft_logprobs, drafted, uniforms)
+    return kernels.verify_sampled.unpack(packed)

@@ -198,8 +198,7 @@ def test_reference_without_metal():
     logits, drafted = vg.make_inputs(np.random.default_rng(0), 2, 4, 50)
     assert kernels.current_backend().name == "metal" and not mx.metal.is_available()
     assert vg.KERNEL.reference_reason(logits, drafted) == "no metal backend"
-    assert kernels.status() == {"kv_inject": "reference (no metal backend)",
-                                "verify_greedy": "reference (no metal backend)"}
+    assert kernels.status() == {name: "reference (no metal backend)" for name in kernels.KERNELS}
     got = greedy_verify(logits, drafted)
     want = greedy_verify_reference(logits, drafted)
     assert all(mx.array_equal(g, w) for g, w in zip(got, want))
@@ -260,7 +259,8 @@ def test_correct_kernel_passes_self_check_and_runs():
     logits, drafted = vg.make_inputs(np.random.default_rng(4), 2, 16, 5000)
     with emulated():
         assert vg.KERNEL.active(logits, drafted)
-        assert kernels.status() == {"kv_inject": "active", "verify_greedy": "active"}
+        assert {k: kernels.get(k).status() for k in ("kv_inject", "verify_greedy")} == \
+            {"kv_inject": "active", "verify_greedy": "active"}
         got = greedy_verify(logits, drafted)
         # shapes outside the kernel's range go to the reference
         big = mx.zeros((1, 65, 10))
@@ -270,11 +270,12 @@ def test_correct_kernel_passes_self_check_and_runs():
 
 
 @pytest.mark.filterwarnings("ignore:dflash-mlx.*failed its self-check")
-@pytest.mark.parametrize("value, forced", [("1", {"kv_inject", "verify_greedy"}), ("all", {"kv_inject", "verify_greedy"}),
+@pytest.mark.parametrize("value, forced", [("1", None), ("all", None),  # None: every registered kernel
                                            ("verify_greedy", {"verify_greedy"}), ("kv_inject, other", {"kv_inject"}),
                                            ("0", set())])
 def test_environment_variable_forces_the_reference(monkeypatch, value, forced):
     BogusKernel.calls = 0
+    forced = set(kernels.KERNELS) if forced is None else forced
     monkeypatch.setenv(kernels.REFERENCE_ENV, value)
     with kernels.use_backend(kernels.Backend("spy", lambda: True, BogusKernel)):
         for name, kernel in kernels.KERNELS.items():
@@ -450,7 +451,8 @@ def test_loop_is_lossless_with_emulated_kernels(target_dirs, draft_dir, family):
 
     with kernels.use_backend(kernels.Backend("emulated-counting", lambda: True, counting)):
         got = generate(model, draft, tokenizer, prompt, max_tokens=24, block_size=8).tokens
-        assert kernels.status() == {"kv_inject": "active", "verify_greedy": "active"}
+        assert {k: kernels.get(k).status() for k in ("kv_inject", "verify_greedy")} == \
+            {"kv_inject": "active", "verify_greedy": "active"}
     assert got == want
     assert launches["verify_greedy"] > 1 and launches["kv_inject"] > 1
 

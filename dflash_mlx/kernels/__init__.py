@@ -12,12 +12,14 @@ Registered kernels:
   used by :func:`dflash_mlx.verify.greedy_verify`.
 - ``kv_inject``: every draft layer's k_norm + RoPE and K/V layout after one
   stacked projection (see :mod:`.kv_inject`), used by ``DFlashDraft.inject``.
+- ``verify_sampled``: rejection-sampling block verification (see
+  :mod:`.verify_sampled`), used by :func:`dflash_mlx.verify.sampled_verify`.
 
 On Linux the kernels are proven by running their sources through the CPU
 emulation harness (:mod:`dflash_mlx.emulate`): ``with use_backend(emulated_backend()):``.
 """
 
-from . import kv_inject, verify_greedy
+from . import kv_inject, verify_greedy, verify_sampled
 from .registry import (
     KERNELS,
     METAL,
@@ -43,5 +45,5 @@ def status(check: bool = True) -> dict[str, str]:
 __all__ = [
     "KERNELS", "METAL", "REFERENCE_ENV", "Backend", "Kernel", "KernelSpec", "Launch",
     "current_backend", "emulated_backend", "forced_reference", "get", "kv_inject", "metal_dir",
-    "status", "use_backend", "verify_greedy",
+    "status", "use_backend", "verify_greedy", "verify_sampled",
 ]
