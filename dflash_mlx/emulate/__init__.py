@@ -30,7 +30,13 @@ Differences from the GPU, besides speed: inputs always arrive row-contiguous
 float math is IEEE single precision with correctly rounded libm functions, so
 transcendental results may differ from Metal's in the last bits; lanes of a
 SIMD-group do not run in lockstep, so code that relies on lockstep without a
-barrier shows up as a race. ``simdgroup_matrix`` is not provided.
+barrier shows up as a race. ``simdgroup_matrix`` 8x8 load / store /
+multiply-accumulate are SIMD-group collectives over lanes that each hold two
+elements; their summation order is not the GPU's (results agree to rounding).
+Orders: ``forward``, ``reverse``, ``shuffle`` run every ready thread to its next
+synchronisation point in that order; ``simdgroup`` lets one SIMD-group at a time
+run as far as it can alone, which exposes a missing threadgroup barrier between
+SIMD-groups that exchange data through threadgroup memory.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ CXX_FLAGS = [
     "-ffp-contract=off",
     "-Wno-attributes", "-w",
 ]
-ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
+ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2, "simdgroup": 3}  # metal_emu.h enum Order
 GUARD_BYTES = 64
 _GUARD = 0xA5
 

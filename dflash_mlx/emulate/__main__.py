@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash_mlx.emulate", description=__doc__.splitlines()[0])
     parser.add_argument("kernels", nargs="*", help=f"kernel names (default: all of {', '.join(sorted(kernels.KERNELS))})")
     parser.add_argument("--seeds", type=int, default=1, help="random inputs per kernel")
-    parser.add_argument("--order", default="shuffle", choices=["forward", "reverse", "shuffle"],
+    parser.add_argument("--order", default="shuffle", choices=["forward", "reverse", "shuffle", "simdgroup"],
                         help="order threads run between synchronisation points")
     parser.add_argument("--source", help="a replacement .metal body (one kernel only)")
     args = parser.parse_args(argv)

@@ -10,6 +10,8 @@
 //      sec. 6.9      threadgroup_barrier / simdgroup_barrier and mem_flags
 //      sec. 6.9.2    SIMD-group functions (simd_sum, simd_shuffle_down ...)
 //      sec. 6.15     atomic functions (atomic_fetch_min_explicit ...)
+//      sec. 2.4 and the SIMD-group matrix functions: simdgroup_matrix 8x8
+//                    load / store / multiply_accumulate (section near the end)
 //  - MLX (ml-explore/mlx): mlx/fast.cpp `write_signature` builds the kernel
 //    signature this header is used with; mlx/backend/metal/custom_kernel.cpp
 //    dispatches it with dispatchThreads(grid, min(threadgroup, grid)), so the
@@ -266,7 +268,13 @@ inline vec<T, N> operator-(vec<T, N> a) {
 
 // ---------------------------------------------------------------- runtime
 enum State { READY = 0, AT_BARRIER = 1, AT_SIMD = 2, DONE = 3 };
-enum Order { FORWARD = 0, REVERSE = 1, SHUFFLE = 2 };
+enum Order { FORWARD = 0, REVERSE = 1, SHUFFLE = 2, SIMDGROUP = 3 };
+// SIMDGROUP: the SIMD-groups of a threadgroup take turns (in a shuffled order
+// each round), and each runs as far as it can alone: its SIMD-group functions
+// and matrix operations resolve at once, so it stops only at a threadgroup
+// barrier or its end. Without it every SIMD-group reaches its next SIMD-group
+// function before any resolves, which hides a missing threadgroup barrier
+// between SIMD-groups that exchange data through threadgroup memory.
 constexpr int SIMD_WIDTH = 32;
 constexpr size_t SLOT = 64;               // bytes per lane operand of a SIMD-group function
 constexpr size_t TG_MEMORY_LIMIT = 32768;  // Apple GPUs: 32 KiB threadgroup memory
@@ -510,7 +518,47 @@ inline bool run_group(Group& g, int n, int order, std::mt19937_64& rng) {
   std::vector<int> runnable;
   std::vector<int> lanes;
   lanes.reserve(SIMD_WIDTH);
+  std::vector<int> simd_order;
   while (true) {
+    if (order == SIMDGROUP) {
+      simd_order.clear();
+      for (int base = 0; base < n; base += SIMD_WIDTH) simd_order.push_back(base);
+      std::shuffle(simd_order.begin(), simd_order.end(), rng);
+      for (int base : simd_order) {
+        const int end = std::min(n, base + SIMD_WIDTH);
+        while (true) {
+          runnable.clear();
+          for (int i = base; i < end; ++i)
+            if (g.state[i] == READY) runnable.push_back(i);
+          std::shuffle(runnable.begin(), runnable.end(), rng);
+          for (int i : runnable) {
+            g.cur = i;
+            swapcontext(&g.sched, &g.ctx[i]);
+            if (!g.err.empty()) return false;
+          }
+          // resolve this SIMD-group's functions if all its running lanes wait at one
+          bool any = false, all = true;
+          for (int i = base; i < end; ++i) {
+            if (g.state[i] == DONE) continue;
+            any = true;
+            all = all && g.state[i] == AT_SIMD;
+          }
+          if (!any || !all) break;
+          std::vector<bool> taken(SIMD_WIDTH, false);
+          for (int i = base; i < end; ++i) {
+            if (g.state[i] != AT_SIMD || taken[i - base]) continue;
+            lanes.clear();
+            for (int j = i; j < end; ++j)
+              if (g.state[j] == AT_SIMD && !taken[j - base] && g.lane[j].resolve == g.lane[i].resolve) {
+                lanes.push_back(j);
+                taken[j - base] = true;
+              }
+            g.lane[i].resolve(g, lanes.data(), int(lanes.size()));
+            for (int j : lanes) g.state[j] = READY;
+          }
+        }
+      }
+    }
     runnable.clear();
     for (int i = 0; i < n; ++i)
       if (g.state[i] == READY) runnable.push_back(i);
@@ -917,6 +965,264 @@ inline T atomic_fetch_xor_explicit(atomic<T>* o, T x, memory_order) { return ato
 template <class T>
 inline bool atomic_compare_exchange_weak_explicit(atomic<T>* o, T* expected, T desired, memory_order, memory_order) {
   return __atomic_compare_exchange(&o->v, expected, &desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+}
+
+}  // namespace metal
+
+// ================================================================ SIMD-group matrices
+// Apple, "Metal Shading Language Specification": sec. 2.4 (simdgroup_matrix
+// types: T is half, bfloat or float, Cols = Rows = 8) and the "SIMD-group
+// matrix functions" (diagonal constructor, make_filled_simdgroup_matrix,
+// simdgroup_load / simdgroup_store with elements_per_row, matrix_origin and
+// transpose_matrix, simdgroup_multiply and simdgroup_multiply_accumulate
+// d = a * b + c with one element type T for every operand). The spec runs these
+// cooperatively over one SIMD-group in uniform control flow and leaves the
+// mapping of elements to threads unspecified (a kernel cannot address single
+// elements), so here:
+//  - a matrix is spread over the 32 lanes, two elements each (EMU: element
+//    (r, c) sits in lane (8r + c) / 2; any fixed mapping behaves the same);
+//  - every load, store and multiply is a SIMD-group collective: it resolves
+//    when the lanes of the SIMD-group arrive, and it is an error unless all 32
+//    lanes arrive together with the same arguments;
+//  - matrix_origin is (column, row) of the tile's first element in the memory
+//    layout, elements_per_row the row stride in memory; transpose_matrix loads
+//    (stores) the tile's transpose: d[r][c] = mem[(origin.y + c) * stride +
+//    origin.x + r]. The kernels here pass origin 0 and offset the pointer;
+//  - a default-constructed matrix is NaN (uninitialised on the GPU), so an
+//    accumulator that was never filled shows;
+//  - multiply-accumulate sums each d[i][j] = c[i][j] + sum_k a[i][k] b[k][j]
+//    in float, k ascending, and rounds once to T. EMU: the GPU's summation
+//    order and intermediate precision are not specified, so results agree to
+//    rounding, not bitwise.
+namespace emu {
+
+constexpr int SGM_DIM = 8;
+
+inline int sgm_lane(int r, int c) { return (r * SGM_DIM + c) / 2; }
+inline int sgm_slot(int r, int c) { return (r * SGM_DIM + c) % 2; }
+
+// All 32 lanes of a full SIMD-group must take part; returns false (and sets the
+// launch error) otherwise.
+inline bool sgm_uniform(Group& g, const int* lanes, int count, const char* what) {
+  if (count == SIMD_WIDTH) return true;
+  if (g.err.empty())
+    g.err = std::string(what) + " reached by " + std::to_string(count) +
+            " of the 32 lanes of a SIMD-group; SIMD-group matrix functions need uniform control "
+            "flow over a full SIMD-group";
+  return false;
+}
+
+template <class Args>
+inline bool sgm_same_args(Group& g, const int* lanes, int count, const char* what) {
+  for (int k = 1; k < count; ++k) {
+    if (std::memcmp(g.lane[lanes[k]].in, g.lane[lanes[0]].in, sizeof(Args)) != 0) {
+      if (g.err.empty())
+        g.err = std::string(what) + ": lanes " + std::to_string(lanes[0] % SIMD_WIDTH) + " and " +
+                std::to_string(lanes[k] % SIMD_WIDTH) + " passed different arguments";
+      return false;
+    }
+  }
+  return true;
+}
+
+template <class T>
+struct SgmAddress {
+  T* ptr;
+  unsigned long stride, ox, oy;
+  unsigned long transpose;  // a full word: no padding bytes to compare
+  size_t index(int r, int c) const {
+    return transpose ? (oy + size_t(c)) * stride + ox + size_t(r) : (oy + size_t(r)) * stride + ox + size_t(c);
+  }
+};
+
+template <class T>
+struct SgmStoreArgs {
+  SgmAddress<T> at;
+  T mine[2];
+};
+
+template <class T>
+struct SgmPair {
+  T e[2];
+};
+
+template <class T>
+struct SgmTriple {
+  T a[2], b[2], c[2];
+};
+
+template <class T>
+void sgm_load_resolve(Group& g, const int* lanes, int count) {
+  SgmPair<T> out;
+  std::memset(static_cast<void*>(&out), 0xFF, sizeof(out));
+  bool ok = sgm_uniform(g, lanes, count, "simdgroup_load") &&
+            sgm_same_args<SgmAddress<const T>>(g, lanes, count, "simdgroup_load");
+  SgmAddress<const T> at;
+  std::memcpy(static_cast<void*>(&at), g.lane[lanes[0]].in, sizeof(at));
+  for (int k = 0; k < count; ++k) {
+    const int l = lanes[k] % SIMD_WIDTH;
+    if (ok)
+      for (int s = 0; s < 2; ++s) {
+        const int e = 2 * l + s;
+        out.e[s] = at.ptr[at.index(e / SGM_DIM, e % SGM_DIM)];
+      }
+    std::memcpy(g.lane[lanes[k]].out, static_cast<const void*>(&out), sizeof(out));
+  }
+}
+
+template <class T>
+void sgm_store_resolve(Group& g, const int* lanes, int count) {
+  if (!sgm_uniform(g, lanes, count, "simdgroup_store")) return;
+  // the address must agree; each lane brings its own elements
+  SgmStoreArgs<T> first;
+  std::memcpy(static_cast<void*>(&first), g.lane[lanes[0]].in, sizeof(first));
+  for (int k = 1; k < count; ++k) {
+    SgmStoreArgs<T> other;
+    std::memcpy(static_cast<void*>(&other), g.lane[lanes[k]].in, sizeof(other));
+    if (std::memcmp(&other.at, &first.at, sizeof(first.at)) != 0) {
+      if (g.err.empty()) g.err = "simdgroup_store: lanes passed different arguments";
+      return;
+    }
+  }
+  for (int k = 0; k < count; ++k) {
+    SgmStoreArgs<T> a;
+    std::memcpy(static_cast<void*>(&a), g.lane[lanes[k]].in, sizeof(a));
+    const int l = lanes[k] % SIMD_WIDTH;
+    for (int s = 0; s < 2; ++s) {
+      const int e = 2 * l + s;
+      first.at.ptr[first.at.index(e / SGM_DIM, e % SGM_DIM)] = a.mine[s];
+    }
+  }
+}
+
+template <class T>
+void sgm_mma_resolve(Group& g, const int* lanes, int count) {
+  SgmPair<T> out;
+  std::memset(static_cast<void*>(&out), 0xFF, sizeof(out));
+  if (!sgm_uniform(g, lanes, count, "simdgroup_multiply_accumulate")) {
+    for (int k = 0; k < count; ++k) std::memcpy(g.lane[lanes[k]].out, static_cast<const void*>(&out), sizeof(out));
+    return;
+  }
+  T a[64], b[64], c[64];
+  for (int k = 0; k < count; ++k) {
+    SgmTriple<T> t;
+    std::memcpy(static_cast<void*>(&t), g.lane[lanes[k]].in, sizeof(t));
+    const int l = lanes[k] % SIMD_WIDTH;
+    for (int s = 0; s < 2; ++s) {
+      a[2 * l + s] = t.a[s];
+      b[2 * l + s] = t.b[s];
+      c[2 * l + s] = t.c[s];
+    }
+  }
+  for (int k = 0; k < count; ++k) {
+    const int l = lanes[k] % SIMD_WIDTH;
+    for (int s = 0; s < 2; ++s) {
+      const int e = 2 * l + s, i = e / SGM_DIM, j = e % SGM_DIM;
+      float acc = float(c[e]);
+      for (int q = 0; q < SGM_DIM; ++q) acc += float(a[i * SGM_DIM + q]) * float(b[q * SGM_DIM + j]);
+      out.e[s] = T(acc);
+    }
+    std::memcpy(g.lane[lanes[k]].out, static_cast<const void*>(&out), sizeof(out));
+  }
+}
+
+// One lane's side of a SIMD-group matrix function: hand in `in`, wait for the
+// SIMD-group, take this lane's result.
+template <class In, class Out>
+inline Out sgm_call(const In& in, Resolver resolver) {
+  static_assert(sizeof(In) <= SLOT && sizeof(Out) <= SLOT, "SIMD-group matrix operand too large");
+  Group& g = *g_cur;
+  const int i = g.cur;
+  Lane& L = g.lane[i];
+  std::memcpy(L.in, static_cast<const void*>(&in), sizeof(In));
+  L.arg = 0;
+  L.resolve = resolver;
+  g.state[i] = AT_SIMD;
+  swapcontext(&g.ctx[i], &g.sched);
+  Out r;
+  std::memcpy(static_cast<void*>(&r), g_cur->lane[i].out, sizeof(Out));
+  return r;
+}
+
+}  // namespace emu
+
+namespace metal {
+
+template <class T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "Metal's SIMD-group matrices are 8 x 8");
+  static_assert(std::is_same<T, float>::value || std::is_same<T, half>::value || std::is_same<T, bfloat>::value,
+                "simdgroup_matrix element types are half, bfloat and float");
+  T e[2];  // this lane's two elements
+  simdgroup_matrix() { std::memset(static_cast<void*>(e), 0xFF, sizeof(e)); }
+  // the spec: "a diagonal matrix with the given value"
+  simdgroup_matrix(T dval) {
+    const int l = emu::g_cur->cur % emu::SIMD_WIDTH;
+    for (int s = 0; s < 2; ++s) {
+      const int idx = 2 * l + s;
+      e[s] = (idx / 8 == idx % 8) ? dval : T(0.0f);
+    }
+  }
+};
+using simdgroup_float8x8 = simdgroup_matrix<float, 8, 8>;
+using simdgroup_half8x8 = simdgroup_matrix<half, 8, 8>;
+using simdgroup_bfloat8x8 = simdgroup_matrix<bfloat, 8, 8>;
+
+template <class T, int Cols, int Rows>
+inline simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(const T value) {
+  simdgroup_matrix<T, Cols, Rows> m;
+  m.e[0] = m.e[1] = value;
+  return m;
+}
+
+template <class T, int C, int R>
+inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const T* src, unsigned long elements_per_row = C,
+                           ulong2 matrix_origin = ulong2(0ul), bool transpose_matrix = false) {
+  emu::SgmAddress<const T> at;
+  std::memset(static_cast<void*>(&at), 0, sizeof(at));
+  at.ptr = src;
+  at.stride = elements_per_row;
+  at.ox = matrix_origin.x;
+  at.oy = matrix_origin.y;
+  at.transpose = transpose_matrix ? 1ul : 0ul;
+  auto got = emu::sgm_call<emu::SgmAddress<const T>, emu::SgmPair<T>>(at, &emu::sgm_load_resolve<T>);
+  d.e[0] = got.e[0];
+  d.e[1] = got.e[1];
+}
+
+template <class T, int C, int R>
+inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, T* dst, unsigned long elements_per_row = C,
+                            ulong2 matrix_origin = ulong2(0ul), bool transpose_matrix = false) {
+  emu::SgmStoreArgs<T> args;
+  std::memset(static_cast<void*>(&args), 0, sizeof(args));
+  args.at.ptr = dst;
+  args.at.stride = elements_per_row;
+  args.at.ox = matrix_origin.x;
+  args.at.oy = matrix_origin.y;
+  args.at.transpose = transpose_matrix ? 1ul : 0ul;
+  args.mine[0] = a.e[0];
+  args.mine[1] = a.e[1];
+  (void)emu::sgm_call<emu::SgmStoreArgs<T>, int>(args, &emu::sgm_store_resolve<T>);
+}
+
+template <class T, int C, int R, int K>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, C, R>& d, const simdgroup_matrix<T, K, R>& a,
+                                          const simdgroup_matrix<T, C, K>& b, const simdgroup_matrix<T, C, R>& c) {
+  emu::SgmTriple<T> in;
+  for (int s = 0; s < 2; ++s) {
+    in.a[s] = a.e[s];
+    in.b[s] = b.e[s];
+    in.c[s] = c.e[s];
+  }
+  auto got = emu::sgm_call<emu::SgmTriple<T>, emu::SgmPair<T>>(in, &emu::sgm_mma_resolve<T>);
+  d.e[0] = got.e[0];
+  d.e[1] = got.e[1];
+}
+
+template <class T, int C, int R, int K>
+inline void simdgroup_multiply(simdgroup_matrix<T, C, R>& d, const simdgroup_matrix<T, K, R>& a,
+                               const simdgroup_matrix<T, C, K>& b) {
+  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<T, C, R>(T(0.0f)));
 }
 
 }  // namespace metal
