@@ -7,8 +7,14 @@ rolls every cache back exactly after a partially accepted block:
 - attention ``KVCache`` layers are trimmed;
 - GatedDeltaNet (``ArraysCache``) layers are restored from what the verify pass
   recorded, replaying only the accepted steps (see ``gated_delta.py``).
+
+On a quantized target the verify pass (``forward(..., record=True)``) and the
+logits of up to 32 rows run their quantized matmuls through the block-verify
+kernel where it is active (``kernels.qmm``): this instance's ``QuantizedLinear``
+layers are swapped for the duration of the pass only, and put back after it.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +25,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import gated_delta
 from .errors import DFlashError
+from .kernels import qmm
+
+_nothing = contextlib.nullcontext
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 SUPPORTED_CACHES = (KVCache, ArraysCache)
@@ -61,6 +70,8 @@ class Target:
         self.args = text.args
         tied = text.args.tie_word_embeddings
         self.lm_head = self.inner.embed_tokens.as_linear if tied else text.lm_head
+        self._head_module = self.inner.embed_tokens if tied else text.lm_head
+        self._verify_matmuls: Optional[qmm.VerificationMatmuls] = None
 
     @property
     def num_layers(self) -> int:
@@ -120,17 +131,32 @@ class Target:
         masks = self._masks(h, cache)
         wanted = {i: None for i in layer_ids}
         records = [None] * self.num_layers if record else None
-        for i, (layer, kind, c) in enumerate(zip(self.layers, self.kinds, cache)):
-            if record and kind == "linear":
-                h, records[i] = gated_delta.recording_layer(layer, h, masks[kind], c)
-            else:
-                h = layer(h, masks[kind], c)
-            if i in wanted:
-                wanted[i] = h
+        with self.verifying() if record else _nothing():
+            for i, (layer, kind, c) in enumerate(zip(self.layers, self.kinds, cache)):
+                if record and kind == "linear":
+                    h, records[i] = gated_delta.recording_layer(layer, h, masks[kind], c)
+                else:
+                    h = layer(h, masks[kind], c)
+                if i in wanted:
+                    wanted[i] = h
         features = mx.concatenate([wanted[i] for i in layer_ids], axis=-1)
         return Forward(self.inner.norm(h), features, records)
 
+    def verifying(self):
+        """Context manager for a verify pass: this instance's quantized linears
+        use the block-verify matmul kernel inside it (nothing changes where the
+        kernel cannot run)."""
+        if self._verify_matmuls is None:
+            self._verify_matmuls = qmm.VerificationMatmuls(self.model)
+        return self._verify_matmuls()
+
     def logits(self, hidden: mx.array) -> mx.array:
+        if isinstance(self._head_module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            out = qmm.quantized_matmul(hidden, self._head_module)
+            if out is not None:
+                if "bias" in self._head_module:
+                    out = out + self._head_module["bias"]
+                return out
         return self.lm_head(hidden)
 
     def rollback(self, cache: list, forward: Forward, keep: int) -> None:
