@@ -6,6 +6,13 @@ per-step q, k, v, a, b together with the state it started from. Rollback to
 ``keep`` accepted tokens then slices the conv window and replays only ``keep``
 recurrence steps with mlx-lm's ``gated_delta_update``: no re-forward of the
 projections, and bit-identical to the state the verify pass passed through.
+
+Where Metal is available the recurrence runs in dflash-mlx's own kernels
+(``dflash_mlx.kernels.gdn``, through the registry's dispatch and self-check):
+``gdn_verify`` for the block, on mlx-lm's own g and beta, which the record then
+keeps, and ``gdn_replay`` for the rollback, with the same arithmetic, so the
+restored state is again one the verify pass went through. Elsewhere, or when a
+kernel is off, the path above is used unchanged.
 """
 
 from dataclasses import dataclass
@@ -14,7 +21,10 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+
+from .kernels import gdn as gdn_kernels
+from .kernels.registry import current_backend, forced_reference
 
 
 @dataclass
@@ -27,6 +37,13 @@ class GatedDeltaRecord:
     b: mx.array
     state: Optional[mx.array]  # recurrent state before the block
     layer: nn.Module  # the GatedDeltaNet (for A_log, dt_bias, kernel choice)
+    g: Optional[mx.array] = None  # [B, T, Hv] decay the verify kernel used (kernel path only)
+    beta: Optional[mx.array] = None  # [B, T, Hv] sigmoid(b) it used (kernel path only)
+
+
+def _may_run(kernel) -> bool:
+    """Cheap gate before building a kernel's inputs: not forced off, backend here."""
+    return not forced_reference(kernel.name) and current_backend().available()
 
 
 def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
@@ -54,12 +71,23 @@ def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
     ]
     q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
     state = cache[1]
-    out, cache[1] = gated_delta_update(
-        q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
-    )
+    g = beta = None
+    if not gdn.training and _may_run(gdn_kernels.VERIFY):
+        # what gated_delta_update computes before its recurrence, kept for the replay
+        g, beta = compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b)
+        if state is None:
+            state = mx.zeros((B, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), dtype=mx.float32)
+        if gdn_kernels.VERIFY.active(q, k, v, g, beta, state):
+            out, cache[1] = gdn_kernels.VERIFY.launch(q, k, v, g, beta, state)
+        else:
+            g = beta = None
+    if g is None:
+        out, cache[1] = gated_delta_update(
+            q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
+        )
     cache.advance(S)
     out = gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1))
-    return out, GatedDeltaRecord(conv_input, q, k, v, a, b, state, gdn)
+    return out, GatedDeltaRecord(conv_input, q, k, v, a, b, state, gdn, g, beta)
 
 
 def recording_layer(layer: nn.Module, x: mx.array, mask, cache: ArraysCache):
@@ -73,6 +101,12 @@ def restore(cache: ArraysCache, record: GatedDeltaRecord, keep: int) -> None:
     """Set ``cache`` to its state after the first ``keep`` recorded steps."""
     window = record.conv_input.shape[1] - record.q.shape[1]
     cache[0] = mx.contiguous(record.conv_input[:, keep : keep + window, :])
+    if record.g is not None and _may_run(gdn_kernels.REPLAY):
+        args = (record.k, record.v, record.g, record.beta, record.state,
+                mx.full((record.k.shape[0],), keep, dtype=mx.int32))
+        if gdn_kernels.REPLAY.active(*args):
+            (cache[1],) = gdn_kernels.REPLAY.launch(*args)
+            return
     gdn = record.layer
     _, cache[1] = gated_delta_update(
         record.q[:, :keep],
