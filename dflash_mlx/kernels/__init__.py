@@ -14,12 +14,17 @@ Registered kernels:
   stacked projection (see :mod:`.kv_inject`), used by ``DFlashDraft.inject``.
 - ``verify_sampled``: rejection-sampling block verification (see
   :mod:`.verify_sampled`), used by :func:`dflash_mlx.verify.sampled_verify`.
+- ``qmm_verify``: quantized matmul for the 1..32 rows of a verified block (see
+  :mod:`.qmm`), used by the target's verify pass and its logits.
+- ``gdn_verify``, ``gdn_replay``: GatedDeltaNet recurrence over a verified
+  block and its rollback by replay (see :mod:`.gdn`), used by
+  :mod:`dflash_mlx.gated_delta`.
 
 On Linux the kernels are proven by running their sources through the CPU
 emulation harness (:mod:`dflash_mlx.emulate`): ``with use_backend(emulated_backend()):``.
 """
 
-from . import kv_inject, verify_greedy, verify_sampled
+from . import gdn, kv_inject, qmm, verify_greedy, verify_sampled
 from .registry import (
     KERNELS,
     METAL,
@@ -44,6 +49,6 @@ def status(check: bool = True) -> dict[str, str]:
 
 __all__ = [
     "KERNELS", "METAL", "REFERENCE_ENV", "Backend", "Kernel", "KernelSpec", "Launch",
-    "current_backend", "emulated_backend", "forced_reference", "get", "kv_inject", "metal_dir",
+    "current_backend", "emulated_backend", "forced_reference", "gdn", "get", "kv_inject", "metal_dir", "qmm",
     "status", "use_backend", "verify_greedy", "verify_sampled",
 ]
