@@ -41,7 +41,7 @@ if (unit >= units) {
 const uint layer = unit / (2 * n_kv);
 const uint part = unit % (2 * n_kv);
 const uint head = part % n_kv;
-const device T* src = kv + (size_t(b) * n_tok + t) * row_width + size_t(unit) * HEAD_DIM;
+auto src = kv + (size_t(b) * n_tok + t) * row_width + size_t(unit) * HEAD_DIM;
 const size_t dst = (((size_t(layer) * n_batch + b) * n_kv + head) * n_tok + t) * HEAD_DIM;
 
 if (part >= n_kv) {
@@ -71,7 +71,7 @@ const float pos_scale = params[1];
 const float mscale = params[2];
 const float inv_rms = metal::rsqrt(sum_sq / float(HEAD_DIM) + eps);
 const float position = pos_scale * static_cast<float>(offset + int(t));
-const device T* w = norm_w + size_t(layer) * HEAD_DIM;
+auto w = norm_w + size_t(layer) * HEAD_DIM;
 
 for (int m = 0; m < PER_LANE; ++m) {
   const uint j = lane + 32 * m;

@@ -29,7 +29,7 @@ const uint block = uint(logits_shape[1]);
 const uint vocab = uint(logits_shape[2]);
 
 // 1. each thread: best key (first index on ties) over a strided slice of the row
-const device T* x = logits + (size_t(seq) * block + row) * vocab;
+auto x = logits + (size_t(seq) * block + row) * vocab;
 uint best_key = 0u;
 uint best_index = 0xffffffffu;
 for (uint j = tid; j < vocab; j += width) {
