@@ -122,6 +122,8 @@ def _record(prompt_tokens: int, tokens: list[int], finish: Optional[str], first_
         "reported_prompt_tps": getattr(last, "prompt_tps", None),
         "reported_generation_tps": getattr(last, "generation_tps", None),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        # a degenerate model repeats a few tokens: near 0 for a loop of one token
+        "distinct_token_ratio": len(set(tokens)) / generated if generated else None,
     }
 
 
@@ -250,6 +252,7 @@ def _side(runs: list[dict]) -> dict:
         "wall_s": sum(r["wall_s"] for r in runs),
         "decode_s": sum(r["decode_s"] for r in runs),
         "decode_tokens": sum(max(r["generated"] - 1, 0) for r in runs),
+        "distinct_token_ratio": stats(r.get("distinct_token_ratio") for r in runs),
     }
 
 
@@ -539,6 +542,10 @@ def render(report: dict, console) -> None:
                   _f(side["peak_memory_gb"] and side["peak_memory_gb"]["max"], "{:.2f}"),
                   _f(side["wall_s"]), ident)
     console.print(t)
+    dist = base["distinct_token_ratio"]
+    if dist:
+        console.print(f"distinct-token ratio of the baseline's output: median {dist['median']:.2f} "
+                      f"(min {dist['min']:.2f}); a model stuck in a loop scores near 0")
 
     cats = sorted({c for side in summ["dflash"].values() for c in side["by_category"]})
     if cats:

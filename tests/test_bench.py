@@ -92,7 +92,8 @@ def _run(step, pid, cat, arm, generated, decode_s, block=None, accepted=(), wall
            "block_size": block, "prompt_tokens": 10, "tokens": list(range(generated)),
            "generated": generated, "finish_reason": "length", "prefill_s": 0.5, "decode_s": decode_s,
            "wall_s": wall_s, "prefill_tps": 20.0, "decode_tps": (generated - 1) / decode_s,
-           "reported_prompt_tps": None, "reported_generation_tps": None, "peak_memory_gb": 1.0}
+           "reported_prompt_tps": None, "reported_generation_tps": None, "peak_memory_gb": 1.0,
+           "distinct_token_ratio": 1.0 if arm == B.DFLASH else 0.5 if pid == "p1" else 0.25}
     if arm == B.DFLASH:
         rec.update(cycles=len(accepted), accepted=list(accepted))
     return rec
@@ -128,6 +129,7 @@ def test_speedup_and_tau_arithmetic():
     assert s["identical"] == 2 and s["compared"] == 2 and s["divergences"] == []
     base = B.summarize(runs, pairs, [4])["baseline"]
     assert base["decode_tps"]["median"] == pytest.approx(3.5) and base["wall_s"] == pytest.approx(7.5)
+    assert base["distinct_token_ratio"]["median"] == pytest.approx(0.375)
 
 
 def test_stats():
@@ -180,6 +182,7 @@ def test_report_schema_and_identity_on_tiny_models(pair, tmp_path):
         assert run["generated"] == len(run["tokens"]) <= 10
         assert run["peak_memory_gb"] > 0
         assert run["prefill_s"] >= 0 and run["decode_s"] >= 0
+        assert run["distinct_token_ratio"] == len(set(run["tokens"])) / run["generated"]
     # the report text and table render without a terminal
     from rich.console import Console
 
@@ -187,6 +190,7 @@ def test_report_schema_and_identity_on_tiny_models(pair, tmp_path):
     B.render(again, console)
     text = console.export_text()
     assert "DFlash b=4" in text and "2/2" in text
+    assert "distinct-token ratio of the baseline's output" in text
 
 
 def test_divergence_is_reported(pair):
