@@ -96,7 +96,8 @@ def test_verify_long_decay_from_a_large_state():
 # ---------------------------------------------------------------- replay at every length
 @needs_gxx
 @pytest.mark.parametrize("b", [1, 4, 16])
-@pytest.mark.parametrize("dims", [(1, 2, 32, 16), (2, 4, 64, 8), (1, 1, 128, 4)], ids=["Dk32", "Dk64", "Dk128"])
+@pytest.mark.parametrize("dims", [(1, 2, 32, 64), (2, 4, 64, 32), (1, 1, 128, 128)],
+                         ids=["Dk32-Dv64", "Dk64-Dv32", "Dk128-Dv128"])
 def test_replay_every_rollback_length_in_one_launch(b, dims):
     """Sequence s of a batch of b+1 copies keeps s steps: every length 0..b at
     once, against the reference and bit for bit against the verify kernel run
