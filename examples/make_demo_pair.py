@@ -300,7 +300,7 @@ DRAFT_TRAIN = dict(
     gamma=7.0,
     self_distill=True,
     cache_features=True,
-    num_prompts=4000,
+    num_prompts=3000,
     distill_tokens=160,
     prompt_lengths=(16, 32, 48, 64, 96),
     distill_batch=100,
@@ -309,7 +309,7 @@ DRAFT_TRAIN = dict(
     eval_every=10,
 )
 DRAFT_OPTIM = OptimConfig(
-    steps=2000,
+    steps=1500,
     learning_rate=2e-3,
     warmup_steps=50,
     min_lr_ratio=0.05,
