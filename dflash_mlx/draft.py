@@ -2,8 +2,14 @@
 
 The draft has no embedding and no LM head: it borrows the target's. Target
 features are fused by ``fc`` + ``hidden_norm`` and injected as keys/values into
-every layer's context cache; the block attends, without a causal mask, to
-[context ; block]. Block positions are never left in the cache.
+every layer's context cache; the block attends to [context ; block]. Block
+positions are never left in the cache.
+
+Inside the block, ``full_attention`` layers see every block position and
+``sliding_attention`` layers are causal (position i sees block positions
+0..i), as z-lab's reference code runs the published drafts; a config's
+explicit ``is_causal`` sets every layer alike. Sliding layers also see only
+the last ``sliding_window`` context positions.
 """
 
 from dataclasses import dataclass, field
@@ -56,6 +62,7 @@ class DraftConfig:
     layer_types: list[str] = field(default_factory=list)
     sliding_window: Optional[int] = None
     attention_bias: bool = False
+    is_causal: Optional[bool] = None  # None: causal block attention on sliding layers only
     quantization: Optional[dict] = None
 
     @classmethod
@@ -102,6 +109,7 @@ class DraftConfig:
             layer_types=layer_types,
             sliding_window=cfg.get("sliding_window"),
             attention_bias=bool(cfg.get("attention_bias", False)),
+            is_causal=None if cfg.get("is_causal") is None else bool(cfg["is_causal"]),
             quantization=cfg.get("quantization"),
         )
         config.validate()
@@ -150,9 +158,15 @@ class DraftConfig:
                 "target_layer_ids": self.target_layer_ids,
             },
         }
+        if self.is_causal is not None:
+            cfg["is_causal"] = self.is_causal
         if self.quantization is not None:
             cfg["quantization"] = self.quantization
         return cfg
+
+    def causal(self, layer_type: str) -> bool:
+        """Whether a layer of this type masks later block positions."""
+        return layer_type == SLIDING if self.is_causal is None else self.is_causal
 
     @property
     def feature_size(self) -> int:
@@ -163,7 +177,7 @@ class DraftConfig:
 class DraftAttention(nn.Module):
     """Qwen3 attention whose keys/values are [injected context ; block]."""
 
-    def __init__(self, config: DraftConfig, sliding_window: Optional[int]):
+    def __init__(self, config: DraftConfig, sliding_window: Optional[int], causal: bool):
         super().__init__()
         dim, hd = config.hidden_size, config.head_dim
         self.n_heads = config.num_attention_heads
@@ -171,6 +185,7 @@ class DraftAttention(nn.Module):
         self.head_dim = hd
         self.scale = hd**-0.5
         self.sliding_window = sliding_window
+        self.causal = causal
         bias = config.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
@@ -204,7 +219,9 @@ class DraftAttention(nn.Module):
         if self.sliding_window is not None:
             keys = keys[..., -(self.sliding_window + L) :, :]
             values = values[..., -(self.sliding_window + L) :, :]
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+        # "causal" aligns the block's queries with the last L keys: context and earlier block positions
+        mask = "causal" if self.causal and L > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -212,7 +229,7 @@ class DraftLayer(nn.Module):
     def __init__(self, config: DraftConfig, layer_type: str):
         super().__init__()
         window = config.sliding_window if layer_type == SLIDING else None
-        self.self_attn = DraftAttention(config, window)
+        self.self_attn = DraftAttention(config, window, config.causal(layer_type))
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(

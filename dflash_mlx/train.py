@@ -6,7 +6,8 @@ The objective is the published block-diffusion recipe (DESIGN.md §2):
 - each block is [anchor token, mask x (b-1)] at positions anchor..anchor+b-1;
 - block queries see the frozen target's features of every position before the
   anchor (as injected context keys/values) and every position of their own
-  block, with no causal mask inside the block;
+  block (only the earlier ones on causal layers: the draft's sliding layers
+  unless the config sets ``is_causal``, as at inference);
 - cross-entropy on block positions 1..b-1 against the true continuation, with
   weights exp(-(k-1)/gamma) that decay with the position k in the block;
 - the target's embedding and LM head are shared and frozen; the draft's
@@ -144,8 +145,9 @@ def context_mask(anchors: mx.array, seq_len: int, window: Optional[int] = None) 
     return mask
 
 
-def _block_attention(q, kc, vc, kb, vb, ctx_mask, scale):
-    """Attention of every block over [its context ; itself].
+def _block_attention(q, kc, vc, kb, vb, ctx_mask, scale, causal):
+    """Attention of every block over [its context ; itself] (causal inside the
+    block when ``causal``).
 
     q: [B, m, nh, b, hd]; kc, vc: [B, nkv, T, hd] (context, shared by all
     blocks); kb, vb: [B, m, nkv, b, hd] (each block's own keys); ctx_mask:
@@ -162,6 +164,8 @@ def _block_attention(q, kc, vc, kb, vb, ctx_mask, scale):
     s_ctx = s_ctx.reshape(B, nkv, rep, m, b, T)
     s_ctx = mx.where(ctx_mask[:, None, None, :, None, :], s_ctx, -mx.inf)
     s_blk = q @ kb.swapaxes(-1, -2)  # [B, nkv, rep, m, b, b]
+    if causal:
+        s_blk = mx.where(mx.tril(mx.ones((b, b), dtype=mx.bool_)), s_blk, -mx.inf)
     p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
     out = (p[..., :T].reshape(B, nkv, rep, m * b, T) @ vc[:, :, None]).reshape(B, nkv, rep, m, b, hd)
     out = out + p[..., T:] @ vb
@@ -198,7 +202,8 @@ def draft_train_forward(
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=offsets)  # [B*m, nh, b, hd]
         kb, vb = attn.keys_values(x, offsets)  # [B*m, nkv, b, hd] at anchor..anchor+b-1
         split = lambda t: t.reshape(B, m, *t.shape[1:])
-        out = _block_attention(split(q), kc, vc, split(kb), split(vb), masks[window], attn.scale)
+        out = _block_attention(split(q), kc, vc, split(kb), split(vb), masks[window], attn.scale,
+                               attn.causal)
         h = h + attn.o_proj(out.reshape(B, m * b, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return draft.norm(h)

@@ -76,7 +76,9 @@ def reference_logits(draft: DFlashDraft, features, block_embeddings, embed):
         kb, vb = kv(xn, blk_pos)
         K, Vv = np.concatenate([kc, kb]), np.concatenate([vc, vb])
         K, Vv = np.repeat(K, nh // nkv, axis=1), np.repeat(Vv, nh // nkv, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, K) / np.sqrt(hd)  # no mask at all
+        scores = np.einsum("qhd,khd->hqk", q, K) / np.sqrt(hd)
+        if cfg.causal(kind):  # block position i sees block positions 0..i, and all the context
+            scores[:, :, len(kc):] += np.triu(np.full((b, b), -np.inf), k=1)
         attn = np.exp(scores - scores.max(-1, keepdims=True))
         attn /= attn.sum(-1, keepdims=True)
         out = np.einsum("hqk,khd->qhd", attn, Vv).reshape(b, nh * hd)
@@ -106,6 +108,29 @@ def test_block_logits_match_the_dflash_equations(context):
     assert [c.offset for c in cache] == [context] * 3  # the block was not kept
     again = draft(embed[block], cache)
     assert mx.array_equal(again, hidden)
+
+
+@pytest.mark.parametrize("is_causal", [None, False, True])
+def test_causal_block_attention_follows_layer_type_or_explicit_is_causal(is_causal):
+    """By default sliding layers are causal inside the block and full layers are
+    not (z-lab's reference); an explicit ``is_causal`` sets every layer."""
+    config = small_config(**({} if is_causal is None else {"is_causal": is_causal}))
+    want = [kind == "sliding_attention" if is_causal is None else is_causal for kind in config.layer_types]
+    draft = randomized(config)
+    assert [layer.self_attn.causal for layer in draft.layers] == want
+    assert config.to_dict().get("is_causal") == is_causal
+    rng = np.random.default_rng(3)
+    features = mx.array(rng.normal(size=(1, 5, 2 * H)), dtype=mx.float32)
+    embed = mx.array(rng.normal(size=(V, H)), dtype=mx.float32)
+    block = mx.array([[5, V - 1, V - 1, V - 1]])
+    cache = draft.make_cache()
+    draft.inject(features, cache)
+    got = np.array(draft(embed[block], cache) @ embed.T)[0]
+    np.testing.assert_allclose(got, reference_logits(draft, features, embed[block], embed), rtol=1e-4, atol=1e-4)
+    # a causal draft's first position cannot see the later ones: changing them leaves it alone
+    other = draft(embed[mx.array([[5, 7, 8, 9]])], cache)
+    first_same = mx.allclose(other[:, 0], draft(embed[block], cache)[:, 0], atol=1e-6).item()
+    assert first_same == all(want)
 
 
 def test_sliding_window_changes_what_the_block_sees():
