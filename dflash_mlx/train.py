@@ -22,10 +22,9 @@ checks it against the cached inference path block by block.
 """
 
 import json
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -46,7 +45,7 @@ from .train_data import (
     read_records,
     stream_prompts,
 )
-from .train_loop import OptimConfig, fit, list_checkpoints, load_checkpoint, make_optimizer
+from .train_loop import OptimConfig, fit, list_checkpoints
 
 
 @dataclass

@@ -14,14 +14,13 @@ never stopped (on the same machine and library versions).
 """
 
 import json
-import math
 import os
 import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn

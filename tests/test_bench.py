@@ -213,8 +213,6 @@ def test_divergence_is_reported(pair):
 
 def test_divergence_from_another_target(pair, tmp_path):
     """The baseline side runs a differently seeded target: the mismatch shows."""
-    from mlx_lm.utils import save_config, save_model
-
     model, draft, tokenizer = pair
     other, config = build_target("qwen3", seed=7)
 

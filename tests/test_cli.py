@@ -4,7 +4,6 @@ input answered with one `error:` line and a non-zero exit."""
 import json
 import shutil
 import subprocess
-import sys
 
 import mlx.core as mx
 import pytest
