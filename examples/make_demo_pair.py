@@ -17,7 +17,9 @@ Run on CPU with OpenBLAS and float32 for speed::
     python examples/make_demo_pair.py all --work demo_work
 
 Interrupted? Run the same command again: every stage continues exactly from
-its last checkpoint. The corpus is whatever standard library the running
+its last checkpoint. A target already installed in the package (committed
+before its draft was trained) is the target stage's output: the draft stage
+then trains against it; ``--from-scratch`` retrains the target instead. The corpus is whatever standard library the running
 Python has (the shipped pair used CPython 3.11.7).
 """
 
@@ -43,6 +45,7 @@ PRETOKENIZE_REGEX = (  # transformers' Qwen2/Qwen3.5 pre-tokenizer split
 )
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
 HELD_OUT_EVERY = 20  # one file in 20 (by path hash) never enters any training
+INSTALLED = Path(__file__).resolve().parent.parent / "dflash_mlx" / "demo_pair"  # what the wheel ships
 
 TARGET_CONFIG = {
     "model_type": "qwen3_5",
@@ -215,10 +218,14 @@ def lm_loss(model, inputs, targets):
     return loss, mx.array(float(targets.size))
 
 
-def stage_target(work: Path, steps=None, stop_after=None) -> Path:
+def stage_target(work: Path, steps=None, stop_after=None, from_scratch=False) -> Path:
     out = work / "target"
     final = out / "final"
     if (final / "config.json").is_file():
+        return final
+    if not from_scratch and (INSTALLED / "target" / "config.json").is_file():
+        shutil.copytree(INSTALLED / "target", final)
+        print(f"target: using the installed {INSTALLED / 'target'}", file=sys.stderr)
         return final
     stream = np.load(work / "data" / "train_tokens.npy")
     cfg = TARGET_OPTIM
@@ -343,11 +350,14 @@ def stage_draft(work: Path, stop_after=None):
 
 def stage_install(work: Path) -> Path:
     """Copy the final pair into the package (dflash_mlx/demo_pair)."""
-    dest = Path(__file__).resolve().parent.parent / "dflash_mlx" / "demo_pair"
+    dest = INSTALLED
     target, draft = work / "target" / "final", work / "draft" / "draft"
+    if not (target / "config.json").is_file():
+        raise SystemExit(f"{target} is missing; run the earlier stages first")
     for src, name in ((target, "target"), (draft, "draft")):
         if not (src / "config.json").is_file():
-            raise SystemExit(f"{src} is missing; run the earlier stages first")
+            print(f"install: {src} is not trained yet; installing the rest", file=sys.stderr)
+            continue
         shutil.rmtree(dest / name, ignore_errors=True)
         (dest / name).mkdir(parents=True)
         for f in sorted(src.iterdir()):
@@ -363,6 +373,8 @@ def main(argv=None):
     ap.add_argument("stage", choices=["tokenizer", "data", "target", "prompts", "draft", "install", "all"])
     ap.add_argument("--work", default="demo_work", help="Working directory (git-ignored).")
     ap.add_argument("--stop-after", type=int, default=None, help="Stop a training stage after N steps.")
+    ap.add_argument("--from-scratch", action="store_true",
+                    help="Train the target even if the package already has one installed.")
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -373,7 +385,7 @@ def main(argv=None):
         elif stage == "data":
             stage_data(work)
         elif stage == "target":
-            if stage_target(work, stop_after=args.stop_after) is None:
+            if stage_target(work, stop_after=args.stop_after, from_scratch=args.from_scratch) is None:
                 return 1
         elif stage == "prompts":
             stage_prompts(work)
