@@ -143,7 +143,7 @@ def stream_generate(
         raise DFlashError(f"prefill_step_size must be positive, got {prefill_step_size}")
     target = model if isinstance(model, Target) else Target(model)
     check_pair(target, draft)
-    block_size = block_size or draft.config.block_size
+    block_size = draft.config.block_size if block_size is None else block_size
     if block_size < 2:
         raise DFlashError(f"block_size must be at least 2, got {block_size}")
     if not isinstance(tokenizer, TokenizerWrapper):

@@ -66,6 +66,7 @@ def test_prompt_may_be_text_ids_or_array_and_text_streams(pair):
         ({"temperature": 0.7, "top_p": 0.0}, "top_p must be in"),
         ({"max_tokens": 0}, "max_tokens must be positive"),
         ({"block_size": 1}, "block_size must be at least 2"),
+        ({"block_size": 0}, "block_size must be at least 2"),
         ({"prompt": ""}, "prompt is empty"),
     ],
 )

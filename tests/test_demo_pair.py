@@ -35,7 +35,7 @@ def runs():
         want = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=N_TOKENS)]
         eos = set(tokenizer.eos_token_ids)
         cut = next((i for i, t in enumerate(want) if t in eos), len(want))
-        res = generate(model, draft, tokenizer, ids, max_tokens=N_TOKENS, block_size=16)
+        res = generate(model, draft, tokenizer, ids, max_tokens=N_TOKENS)  # the trained block size
         out.append((ids, want[:cut], res))
     return model, out
 
@@ -50,6 +50,7 @@ def test_the_pair_is_a_hybrid_target_and_a_draft_made_for_it():
     size = sum(f.stat().st_size for d in (PAIR.target, PAIR.draft) for f in d.iterdir())
     assert size <= 40 * 2**20
     assert len(PAIR.load_prompts()) >= N_PROMPTS
+    assert draft["dflash_config"]["block_size"] == 16
 
 
 def test_greedy_output_is_the_targets_own_on_held_out_prompts(runs):
@@ -69,6 +70,7 @@ def test_every_acceptance_length_from_0_to_8_occurs(runs):
     _, results = runs
     accepted = np.concatenate([np.array(r.acceptance_lengths) - 1 for _, _, r in results])
     counts = np.bincount(accepted, minlength=16)
+    assert len(counts) == 16  # the default block size is the draft's 16: never more than 15 accepted
     missing = [a for a in range(9) if counts[a] == 0]
     assert not missing, f"acceptance lengths never seen: {missing}; histogram {counts.tolist()}"
     assert accepted.mean() + 1 >= 2.5  # tau well above a random draft's 1.0
