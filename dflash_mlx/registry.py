@@ -17,6 +17,8 @@ KNOWN_PAIRS: dict[str, str] = {
     "Qwen/Qwen3.6-35B-A3B": "z-lab/Qwen3.6-35B-A3B-DFlash",
     "meta-llama/Llama-3.1-8B-Instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
     "Qwen/Qwen3-Coder-30B-A3B-Instruct": "z-lab/Qwen3-Coder-30B-A3B-DFlash",
+    "openai/gpt-oss-20b": "z-lab/gpt-oss-20b-DFlash",
+    "openai/gpt-oss-120b": "z-lab/gpt-oss-120b-DFlash",
 }
 
 # Other names the same targets go by (mlx-community renames some of them).

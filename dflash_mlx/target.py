@@ -4,7 +4,9 @@ It reuses the instance's own modules (no patching of mlx-lm classes) to return
 logits-ready hidden states plus the features at ``target_layer_ids``, and it
 rolls every cache back exactly after a partially accepted block:
 
-- attention ``KVCache`` layers are trimmed;
+- attention ``KVCache`` layers are trimmed; a sliding-window layer whose model
+  asks for a ``RotatingKVCache`` (gpt-oss) gets a plain ``KVCache`` instead, with
+  the window applied by its mask: the same attention, and exactly trimmable;
 - GatedDeltaNet (``ArraysCache``) layers are restored from what the verify pass
   recorded, replaying only the accepted steps (see ``gated_delta.py``).
 
@@ -21,7 +23,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from . import gated_delta
 from .errors import DFlashError
@@ -29,16 +31,21 @@ from .kernels import qmm
 
 _nothing = contextlib.nullcontext
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")
 SUPPORTED_CACHES = (KVCache, ArraysCache)
 
 
-def _layer_kind(layer: nn.Module) -> str:
-    if getattr(layer, "is_linear", False):
-        return "linear"
-    if getattr(layer, "use_sliding", False):
-        return "sliding"
-    return "full"
+def _layer_kinds(inner: nn.Module, layers: list) -> list[str]:
+    """'linear' (GatedDeltaNet), 'sliding' or 'full' attention, per layer."""
+    types = getattr(inner, "layer_types", None)  # gpt-oss names them on the model
+    if types is not None:
+        return ["sliding" if t == "sliding_attention" else "full" for t in types]
+    return [
+        "linear" if getattr(layer, "is_linear", False)
+        else "sliding" if getattr(layer, "use_sliding", False)
+        else "full"
+        for layer in layers
+    ]
 
 
 @dataclass
@@ -65,10 +72,14 @@ class Target:
         text = getattr(model, "language_model", model)
         self.inner = text.model
         self.layers = model.layers
-        self.kinds = [_layer_kind(layer) for layer in self.layers]
-        self.sliding_window = getattr(self.inner, "sliding_window", None)
+        self.kinds = _layer_kinds(self.inner, self.layers)
+        self.sliding_window = getattr(self.inner, "sliding_window", None) or getattr(
+            self.inner, "window_size", None
+        )
+        if "sliding" in self.kinds and not self.sliding_window:
+            raise DFlashError(f"target '{model_type}' has sliding-window layers but no window size")
         self.args = text.args
-        tied = text.args.tie_word_embeddings
+        tied = getattr(text.args, "tie_word_embeddings", False)
         self.lm_head = self.inner.embed_tokens.as_linear if tied else text.lm_head
         self._head_module = self.inner.embed_tokens if tied else text.lm_head
         self._verify_matmuls: Optional[qmm.VerificationMatmuls] = None
@@ -89,9 +100,15 @@ class Target:
         return self.inner.embed_tokens(tokens)
 
     def make_cache(self) -> list:
-        """The model's own cache list, checked for types we can roll back."""
+        """The model's own cache list, checked for types we can roll back; a
+        ``RotatingKVCache`` of a sliding layer becomes a ``KVCache`` (the mask
+        applies the window)."""
         make = getattr(self.model, "make_cache", None)
         cache = make() if make else [KVCache() for _ in self.layers]
+        cache = [
+            KVCache() if type(c) is RotatingKVCache and kind == "sliding" and c.keep == 0 else c
+            for c, kind in zip(cache, self.kinds)
+        ]
         for c in cache:
             if type(c) not in SUPPORTED_CACHES:
                 raise DFlashError(

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import save_config, save_model
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 MASK_TOKEN = "<mask>"  # always the last id, vocab_size - 1
@@ -87,6 +87,25 @@ _FAMILY = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "norm_topk_prob": True,
+        "tie_word_embeddings": False,
+    },
+    "gpt_oss": {  # attention sinks, biases, alternating sliding/full layers, clamped-SwiGLU MoE
+        "architectures": ["GptOssForCausalLM"],
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 4,  # smaller than a 16-token verify block
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
         "tie_word_embeddings": False,
     },
     "qwen3_5": {
@@ -213,6 +232,8 @@ def _init_weights(model, seed: int) -> None:
             w[[*range(len(SPECIAL_TOKENS)), -1]] *= 0.1  # specials and <mask>: rarely predicted
         elif name.endswith("model.norm.weight"):
             w = FINAL_NORM * (1.0 + 0.1 * rng.normal(size=p.shape))
+        elif name.endswith(".bias"):
+            w = rng.normal(0.0, 0.02, p.shape)
         elif name.endswith("A_log"):
             w = np.log(rng.uniform(1.0, 16.0, p.shape))
         elif p.ndim == 1:

@@ -86,13 +86,32 @@ def test_unsupported_model_type_is_named():
         Target(gpt2.Model(args))
 
 
-def test_unsupported_cache_type_is_named(tmp_path):
-    from checkpoints import write_target
+def test_sliding_window_layers_get_a_trimmable_cache_and_stay_lossless(tmp_path):
+    """mlx-lm gives a llama's sliding layers a RotatingKVCache, which cannot be
+    trimmed once it wraps; the adapter swaps in a KVCache and masks the window."""
+    from checkpoints import write_draft, write_target
+    from mlx_lm.models.cache import KVCache
 
-    write_target(
-        tmp_path, "llama", num_hidden_layers=2, sliding_window=4,
+    config = write_target(
+        tmp_path / "target", "llama", num_hidden_layers=2, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
     )
-    model, _ = mlx_lm_load(str(tmp_path))
-    with pytest.raises(DFlashError, match="RotatingKVCache"):
-        Target(model).make_cache()
+    write_draft(tmp_path / "draft", config)
+    model, tokenizer = mlx_lm_load(str(tmp_path / "target"))
+    assert all(type(c) is KVCache for c in Target(model).make_cache())
+    draft = load_draft(str(tmp_path / "draft"))
+    prompt = "write a short story about a cat who"
+    want = reference(model, tokenizer, prompt, 48)  # mlx-lm, with its rotating cache
+    assert generate(model, draft, tokenizer, prompt, max_tokens=48, block_size=8).tokens == want
+
+
+def test_unsupported_cache_type_is_named(pair):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    model, _, _ = pair
+    model.make_cache = lambda: [QuantizedKVCache() for _ in model.layers]  # this instance only
+    try:
+        with pytest.raises(DFlashError, match="QuantizedKVCache"):
+            Target(model).make_cache()
+    finally:
+        del model.make_cache

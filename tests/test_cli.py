@@ -177,6 +177,8 @@ def test_installed_console_script_exits_non_zero(pair):
         ("mlx-community/Qwen3.5-35B-A3B-8bit", "z-lab/Qwen3.5-35B-A3B-DFlash"),
         ("mlx-community/Meta-Llama-3.1-8B-Instruct-4bit", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
         ("/models/Qwen3-8B-4bit", "z-lab/Qwen3-8B-DFlash-b16"),
+        ("mlx-community/gpt-oss-20b-MXFP4-Q8", "z-lab/gpt-oss-20b-DFlash"),
+        ("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash"),
         ("Qwen/Qwen3.5-9B-Base", None),
         ("someone/unknown", None),
     ],

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 from dflash_mlx import Target, generate, load_draft
 from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder
 
-FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss"]
 PROMPTS = [
     "the quick brown fox",
     "write a short story about a cat who",
@@ -103,7 +103,7 @@ def one_hot_logits(tokens, vocab_size):
 
 
 def assert_cache_equals_fresh_prefill(model, cache, committed):
-    fresh = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    fresh = Target(model).make_cache()  # gpt-oss: KVCache for its sliding layers, window by mask
     model(mx.array(committed)[None], cache=fresh)
     for i, (c, f) in enumerate(zip(cache, fresh)):
         if isinstance(c, KVCache):
@@ -116,7 +116,7 @@ def assert_cache_equals_fresh_prefill(model, cache, committed):
                 assert mx.allclose(c[j], f[j], rtol=1e-5, atol=1e-5).item(), f"layer {i} state {j}"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gpt_oss"])
 @pytest.mark.parametrize("block_size", [5, 16])
 def test_rollback_at_every_acceptance_length(loaded, family, block_size):
     model, tokenizer, draft = loaded[family]
