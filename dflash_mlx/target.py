@@ -37,14 +37,12 @@ SUPPORTED_CACHES = (KVCache, ArraysCache)
 
 def _layer_kinds(inner: nn.Module, layers: list) -> list[str]:
     """'linear' (GatedDeltaNet), 'sliding' or 'full' attention, per layer."""
-    types = getattr(inner, "layer_types", None)  # gpt-oss names them on the model
-    if types is not None:
-        return ["sliding" if t == "sliding_attention" else "full" for t in types]
+    types = getattr(inner, "layer_types", None) or [None] * len(layers)  # gpt-oss names them
     return [
         "linear" if getattr(layer, "is_linear", False)
-        else "sliding" if getattr(layer, "use_sliding", False)
+        else "sliding" if getattr(layer, "use_sliding", False) or kind == "sliding_attention"
         else "full"
-        for layer in layers
+        for layer, kind in zip(layers, types)
     ]
 
 
