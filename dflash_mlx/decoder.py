@@ -8,7 +8,7 @@ exactly and hands the accepted positions' features to the proposer. The host
 reads one small result per cycle.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import mlx.core as mx
@@ -31,10 +31,10 @@ class Proposer(Protocol):
 class DraftProposer:
     """Proposes with a DFlash draft that borrows the target's embedding and head."""
 
-    def __init__(self, draft: DFlashDraft, target: Target):
+    def __init__(self, draft: DFlashDraft, target: Target, cache: Optional[list] = None):
         self.draft = draft
         self.target = target
-        self.cache = draft.make_cache()
+        self.cache = draft.make_cache() if cache is None else cache
         self.mask_token_id = draft.config.mask_token_id
 
     def observe(self, features: mx.array, tokens: mx.array) -> None:
@@ -45,6 +45,21 @@ class DraftProposer:
         block = mx.concatenate([y, masks])[None]
         hidden = self.draft(self.target.embed(block), self.cache)
         return self.target.logits(hidden[:, 1:])[0]
+
+
+@dataclass
+class ContextCache:
+    """A target cache and the draft's context cache that both hold ``tokens``.
+
+    Handed to ``stream_generate(context=...)``, it is continued from (only the
+    prompt past ``tokens`` is prefilled) and updated in place: afterwards it
+    holds every token the decoder fed, so a caller can keep it for the next
+    prompt that extends them.
+    """
+
+    target: list
+    draft: list
+    tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +79,8 @@ class SpeculativeDecoder:
         block_size: int,
         prefill_step_size: int = 2048,
         sampler: Optional[BlockSampler] = None,
+        cache: Optional[list] = None,
+        tokens: Optional[list[int]] = None,
     ):
         self.target = target
         self.proposer = proposer
@@ -71,7 +88,8 @@ class SpeculativeDecoder:
         self.block_size = block_size
         self.prefill_step_size = prefill_step_size
         self.sampler = sampler or BlockSampler(SamplingParams())
-        self.cache = target.make_cache()
+        self.cache = target.make_cache() if cache is None else cache
+        self.tokens = [] if tokens is None else tokens  # ids the cache holds, extended in place
         self.recent: list[int] = []  # committed tokens the logits processors may see
         self.pending: Optional[mx.array] = None  # y: chosen but not yet fed to the target
         self.drafted: Optional[mx.array] = None  # the proposal after y, already queued
@@ -82,13 +100,15 @@ class SpeculativeDecoder:
         self.recent = (self.recent + tokens)[-keep:] if keep else []
 
     def prefill(self, prompt: mx.array) -> int:
-        """Feed the prompt in chunks; return the first generated token."""
-        for start in range(0, prompt.size, self.prefill_step_size):
+        """Feed the prompt past the ``tokens`` the cache already holds (its
+        prefix) in chunks; return the first generated token."""
+        for start in range(len(self.tokens), prompt.size, self.prefill_step_size):
             chunk = prompt[start : start + self.prefill_step_size]
             out = self.target.forward(chunk[None], self.cache, self.layer_ids)
             self.proposer.observe(out.features, chunk)
             mx.eval([c.state for c in self.cache], out.hidden)
             mx.clear_cache()
+        self.tokens.extend(prompt[len(self.tokens) :].tolist())
         self._remember(prompt.tolist())
         logits = self.target.logits(out.hidden[:, -1])
         logits = self.sampler.process(logits, mx.array(self.recent, dtype=mx.int32))
@@ -116,6 +136,7 @@ class SpeculativeDecoder:
         committed = block[: a + 1].tolist()
         self.target.rollback(self.cache, out, a + 1)
         self.proposer.observe(out.features[:, : a + 1], block[: a + 1])
+        self.tokens.extend(committed)
         self._remember(committed)
         self.pending = next_token
         self._queue_draft()

@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .decoder import DraftProposer, SpeculativeDecoder
+from .decoder import ContextCache, DraftProposer, SpeculativeDecoder
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .sampling import BlockSampler, SamplingParams
@@ -118,6 +118,7 @@ def stream_generate(
     presence_penalty: Optional[float] = None,
     frequency_penalty: Optional[float] = None,
     logit_bias: Optional[dict[int, float]] = None,
+    context: Optional[ContextCache] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -127,6 +128,8 @@ def stream_generate(
     sampling. ``prompt`` is a string (encoded as is, no chat template), a list of
     ids or an ``mx.array``. Generation stops at EOS (not emitted) or after
     exactly ``max_tokens`` tokens. ``seed`` makes sampling reproducible.
+    ``context`` continues from caches that already hold a proper prefix of the
+    prompt (only the rest is prefilled) and is left holding every fed token.
     """
     sampler = BlockSampler(
         SamplingParams(
@@ -149,17 +152,24 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt_ids = _encode(tokenizer, prompt)
+    if context is None:
+        context = ContextCache(target.make_cache(), draft.make_cache())
+    n = len(context.tokens)
+    if n >= prompt_ids.size or prompt_ids[:n].tolist() != context.tokens:
+        raise DFlashError("the context cache does not hold a proper prefix of the prompt")
     eos = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
 
     decoder = SpeculativeDecoder(
         target,
-        DraftProposer(draft, target),
+        DraftProposer(draft, target, context.draft),
         draft.config.target_layer_ids,
         block_size,
         prefill_step_size,
         sampler,
+        context.target,
+        context.tokens,
     )
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
         tic = time.perf_counter()
