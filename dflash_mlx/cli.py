@@ -306,3 +306,28 @@ def bench(
                  warmup=warmup, json_out=json_out, plot_out=plot_out)
     except DFlashError as e:
         _fail(str(e))
+
+
+@app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: hub repo id or local mlx-lm directory. Default: the bundled demo pair (offline)."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash draft. Default: the registry's draft for --model."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback exposes the server."),
+    port: int = typer.Option(8080, "--port", help="TCP port."),
+    max_tokens_limit: int = typer.Option(4096, "--max-tokens-limit", help="Largest max_tokens a request may ask for (and the default)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on every route."),
+    max_queue: int = typer.Option(32, "--max-queue", help="Requests that may wait behind the one decoding; more get HTTP 429."),
+    prefix_cache_gb: float = typer.Option(2.0, "--prefix-cache-gb", help="Memory for reusing earlier requests' caches (0: off)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Tokens per draft block. Default: the draft's trained size."),
+):
+    """OpenAI-compatible HTTP server (chat and text completions, streaming) over one DFlash pair."""
+    try:
+        from .registry import resolve_pair
+        from .server.command import check_options, serve as run_server
+
+        check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size)
+        run_server(resolve_pair(model, draft), host=host, port=port, max_tokens_limit=max_tokens_limit,
+                   api_key=api_key, max_queue=max_queue, prefix_cache_gb=prefix_cache_gb,
+                   block_size=block_size, log=lambda m: typer.echo(m, err=True))
+    except DFlashError as e:
+        _fail(str(e))

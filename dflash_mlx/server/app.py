@@ -1,0 +1,243 @@
+"""The OpenAI-compatible routes (FastAPI), over one ``Engine``.
+
+``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` and
+``POST /v1/completions``, streamed as server-sent events (sse-starlette,
+ending with ``data: [DONE]``) or not. Every request is checked before it is
+queued, so bad input gets a 4xx with an OpenAI-shaped error and never reaches
+the worker. A client that goes away cancels its request.
+"""
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+
+from ..errors import DFlashError
+from ..sampling import SamplingParams
+from . import engine as eng
+from .errors import APIError
+from .prompts import chat_ids, completion_ids
+from .schemas import ChatRequest, CompletionRequest, Sampling
+
+
+@dataclass
+class Settings:
+    model_name: str  # the id /v1/models lists and responses carry
+    max_tokens_limit: int = 4096
+    api_key: Optional[str] = None
+    enable_thinking: Optional[bool] = None  # the chat template's default for this target
+
+
+class BearerAuth:
+    """ASGI middleware: every route needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else "the body: "
+    return APIError(400, where + first["msg"], param)
+
+
+def _sampling(body: Sampling, vocab_size: int) -> dict:
+    """stream_generate's sampling arguments, checked here so errors come before streaming."""
+    bias = None
+    if body.logit_bias:
+        try:
+            bias = {int(k): float(v) for k, v in body.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
+        bad = [k for k in bias if not 0 <= k < vocab_size]
+        if bad:
+            raise APIError(400, f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "logit_bias")
+        if any(not -100 <= v <= 100 for v in bias.values()):
+            raise APIError(400, "logit_bias values must be in [-100, 100]", "logit_bias")
+    sampling = dict(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        seed=body.seed, repetition_penalty=body.repetition_penalty,
+        repetition_context_size=body.repetition_context_size,
+        presence_penalty=body.presence_penalty or None,
+        frequency_penalty=body.frequency_penalty or None, logit_bias=bias,
+    )
+    try:
+        SamplingParams(**sampling).validate()
+    except DFlashError as e:
+        raise APIError(400, str(e)) from None
+    return sampling
+
+
+def _max_tokens(body: Sampling, prompt_tokens: int, settings: Settings, context: Optional[int]) -> int:
+    asked = body.requested_max_tokens()
+    if asked is not None and asked > settings.max_tokens_limit:
+        raise APIError(400, f"max_tokens {asked} is above this server's limit of "
+                            f"{settings.max_tokens_limit} (--max-tokens-limit)", "max_tokens")
+    if context is not None and prompt_tokens + (asked or 1) > context:
+        raise APIError(
+            400, f"the prompt is {prompt_tokens} tokens and {asked or 1} more were asked for, "
+                 f"over this model's context of {context} tokens",
+            "messages" if isinstance(body, ChatRequest) else "prompt", "context_length_exceeded",
+        )
+    limit = settings.max_tokens_limit if context is None else min(settings.max_tokens_limit, context - prompt_tokens)
+    return asked or limit
+
+
+def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
+    """The ASGI app serving ``engine`` (already started)."""
+    app = FastAPI(title="dflash-mlx", docs_url=None, redoc_url=None, openapi_url=None)
+    if settings.api_key is not None:
+        app.add_middleware(BearerAuth, key=settings.api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}").response()
+
+    @app.exception_handler(Exception)
+    async def crashed(_, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": settings.model_name, "active": engine.active,
+                "max_queue": engine.max_queue, **engine.stats}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": settings.model_name, "object": "model", "created": engine.started, "owned_by": "dflash-mlx"}
+        ]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await _complete(body, chat_ids(engine.tokenizer, _checked(body), settings.enable_thinking), request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _complete(body, completion_ids(engine.tokenizer, _checked(body), engine.vocab_size), request, chat=False)
+
+    def _checked(body: Union[ChatRequest, CompletionRequest]):
+        problem = body.unsupported()
+        if problem:
+            raise APIError(400, problem[1], problem[0], "unsupported_value")
+        return body
+
+    async def _complete(body: Sampling, ids: list[int], request: Request, chat: bool):
+        job_request = eng.Request(
+            prompt=ids,
+            max_tokens=_max_tokens(body, len(ids), settings, engine.context_length),
+            sampling=_sampling(body, engine.vocab_size),
+            stop=body.stop_strings(),
+        )
+        try:
+            job = engine.submit(job_request, asyncio.get_running_loop())
+        except eng.QueueFull as e:
+            raise APIError(429, str(e), code="queue_full") from None
+        reply = Reply(settings.model_name, chat)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventSourceResponse(_stream(job, reply, include_usage), sep="\n")
+        return await _collect(job, reply, request)
+
+    async def _stream(job: eng.Job, reply: "Reply", include_usage: bool):
+        try:
+            if reply.chat:
+                yield reply.chunk({"role": "assistant", "content": ""})
+            async for event in job.stream():
+                if isinstance(event, eng.Delta):
+                    yield reply.chunk({"content": event.text} if reply.chat else event.text)
+                elif isinstance(event, eng.Failed):
+                    yield {"data": json.dumps(APIError(event.status, event.message).body())}
+                else:
+                    yield reply.chunk({} if reply.chat else "", event.finish_reason)
+                    if include_usage:
+                        yield reply.usage_chunk(event.usage)
+            yield {"data": "[DONE]"}
+        finally:  # also when the client disconnects: the slot is freed at once
+            engine.cancel(job)
+
+    async def _collect(job: eng.Job, reply: "Reply", request: Request):
+        watcher = asyncio.create_task(_cancel_on_disconnect(job, request))
+        try:
+            text = []
+            async for event in job.stream():
+                if isinstance(event, eng.Delta):
+                    text.append(event.text)
+                elif isinstance(event, eng.Failed):
+                    raise APIError(event.status, event.message)
+                else:
+                    return reply.whole("".join(text), event.finish_reason, event.usage)
+        finally:
+            watcher.cancel()
+            engine.cancel(job)
+
+    async def _cancel_on_disconnect(job: eng.Job, request: Request):
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.2)
+        engine.cancel(job)
+        job.events.put_nowait(eng.Finished("cancelled", eng.Usage(len(job.request.prompt))))
+
+    return app
+
+
+class Reply:
+    """Response and chunk bodies of one chat or text completion."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat = model, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, content: Union[dict, str], finish_reason: Optional[str] = None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+            body = self._base("chat.completion.chunk") | {"choices": [choice]}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            body = self._base("text_completion") | {"choices": [choice]}
+        return {"data": json.dumps(body)}
+
+    def usage_chunk(self, usage: eng.Usage) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"data": json.dumps(self._base(obj) | {"choices": [], "usage": usage.to_dict()})}
+
+    def whole(self, text: str, finish_reason: str, usage: eng.Usage) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+            return self._base("chat.completion") | {"choices": [choice], "usage": usage.to_dict()}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._base("text_completion") | {"choices": [choice], "usage": usage.to_dict()}

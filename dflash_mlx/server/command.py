@@ -1,0 +1,48 @@
+"""Entry point of ``dflash-mlx serve`` (the CLI parses options and calls ``serve``)."""
+
+from typing import Callable, Optional
+
+from ..errors import DFlashError
+from ..registry import Pair
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache_gb: float,
+                  block_size: Optional[int]) -> None:
+    """Raise a one-line DFlashError for an option out of range."""
+    if not 0 <= port <= 65535:
+        raise DFlashError(f"--port must be in 0..65535, got {port}")
+    if max_tokens_limit <= 0:
+        raise DFlashError(f"--max-tokens-limit must be positive, got {max_tokens_limit}")
+    if max_queue < 0:
+        raise DFlashError(f"--max-queue must be >= 0, got {max_queue}")
+    if prefix_cache_gb < 0:
+        raise DFlashError(f"--prefix-cache-gb must be >= 0, got {prefix_cache_gb}")
+    if block_size is not None and block_size < 2:
+        raise DFlashError(f"--block-size must be at least 2, got {block_size}")
+
+
+def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limit: int = 4096,
+          api_key: Optional[str] = None, max_queue: int = 32, prefix_cache_gb: float = 2.0,
+          block_size: Optional[int] = None, log: Callable[[str], None] = print) -> None:
+    """Load ``pair`` on the worker thread, then serve it until interrupted."""
+    import uvicorn
+
+    from .app import Settings, create_app
+    from .engine import Engine
+
+    check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size)
+    if host not in LOOPBACK and api_key is None:
+        log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
+    engine = Engine(pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9))
+    log(f"loading {pair.target} with draft {pair.draft}")
+    engine.start()
+    name = "dflash-mlx-demo" if pair.demo else pair.target
+    app = create_app(engine, Settings(name, max_tokens_limit, api_key, pair.enable_thinking))
+    log(f"serving '{name}' at http://{host}:{port}/v1 (one request decodes at a time; "
+        f"up to {max_queue} wait)")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()

@@ -1,0 +1,236 @@
+"""The single-model worker: one thread owns every MLX array and call.
+
+Requests wait in one first-in, first-out queue and decode one at a time, each
+to its end (``--max-tokens-limit`` bounds how long that is), so a request
+never waits behind one that arrived after it. The worker streams events back
+to the request's asyncio loop. A cancelled request (its client went away)
+gives its queue slot back at once and stops at the next verify cycle, which
+leaves the decoder caches consistent for the prefix cache.
+"""
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import mlx.core as mx
+
+from ..errors import DFlashError
+from ..generate import check_pair, stream_generate
+from ..loading import load, load_draft
+from ..target import Target
+from .prefix_cache import PrefixCache
+from .stops import StopMatcher
+
+
+class QueueFull(Exception):
+    """More requests are waiting than ``--max-queue`` allows."""
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampling: dict  # stream_generate's sampling keyword arguments
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose caches were reused, not prefilled
+    completion_tokens: int = 0
+    cycles: int = 0  # verify cycles
+    accepted: int = 0  # drafted tokens the target accepted
+
+    def to_dict(self) -> dict:
+        tau = (self.accepted + self.cycles) / self.cycles if self.cycles else None
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "cycles": self.cycles,
+            "tokens_per_cycle": tau,
+        }
+
+
+@dataclass
+class Delta:
+    text: str
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    usage: Usage
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+
+
+Event = Union[Delta, Finished, Failed]
+
+
+class Job:
+    """One queued request and the channel its events come back on."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.released = False  # its queue slot was given back
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the request's loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+    async def stream(self):
+        """Events until the final one (Finished or Failed)."""
+        while True:
+            event = await self.events.get()
+            yield event
+            if not isinstance(event, Delta):
+                return
+
+
+class Engine:
+    """Loads the pair on its worker thread and runs queued requests there."""
+
+    def __init__(self, model: str, draft: str, block_size: Optional[int] = None,
+                 max_queue: int = 32, prefix_cache_bytes: int = 0):
+        self.model_id, self.draft_id = model, draft
+        self.block_size = block_size
+        self.max_queue = max_queue
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.tokenizer = None
+        self.vocab_size = 0
+        self.context_length: Optional[int] = None
+        self.started = int(time.time())
+        self.stats: dict = {}  # replaced (never mutated) by the worker after each request
+        self.prefix_cache: Optional[PrefixCache] = None
+        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._active = 0  # admitted and not yet released: waiting or decoding
+        self._ready = threading.Event()
+        self._load_error: Optional[Exception] = None
+        self._thread = threading.Thread(target=self._run, name="dflash-mlx-worker", daemon=True)
+
+    def start(self) -> None:
+        """Start the worker and wait until the pair is loaded (DFlashError if it cannot be)."""
+        self._thread.start()
+        self._ready.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not yet done: the one decoding and those waiting."""
+        return self._active
+
+    def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue a request; QueueFull if ``max_queue`` requests already wait."""
+        with self._lock:
+            if self._active > self.max_queue:
+                raise QueueFull(
+                    f"the server is busy: {self.max_queue} requests are already waiting; retry later"
+                )
+            self._active += 1
+        job = Job(request, loop)
+        self._queue.put(job)
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Give the job's slot back now; the worker drops or stops it."""
+        job.cancelled.set()
+        self._release(job)
+
+    def _release(self, job: Job) -> None:
+        with self._lock:
+            if not job.released:
+                job.released = True
+                self._active -= 1
+
+    def _load(self) -> None:
+        model, self.tokenizer = load(self.model_id)
+        self.draft = load_draft(self.draft_id)
+        self.target = Target(model)
+        check_pair(self.target, self.draft)
+        self.vocab_size = self.target.vocab_size
+        self.context_length = getattr(self.target.args, "max_position_embeddings", None)
+        self.prefix_cache = PrefixCache(self.target, self.draft, self.prefix_cache_bytes)
+        self._update_stats()
+
+    def _update_stats(self) -> None:
+        self.stats = {
+            "prefix_cache": {"entries": len(self.prefix_cache.entries), "bytes": self.prefix_cache.nbytes},
+            "memory_gb": {"active": mx.get_active_memory() / 1e9, "peak": mx.get_peak_memory() / 1e9},
+        }
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as e:  # reported by start() in the caller's thread
+            self._load_error = e if isinstance(e, DFlashError) else DFlashError(str(e))
+            return
+        finally:
+            self._ready.set()
+        while (job := self._queue.get()) is not None:
+            try:
+                if not job.cancelled.is_set():
+                    self._generate(job)
+            except DFlashError as e:
+                job.emit(Failed(400, str(e)))
+            except Exception as e:  # keep serving; the caches of this request are dropped
+                job.emit(Failed(500, f"internal error: {type(e).__name__}: {e}"))
+            finally:
+                self._release(job)
+                self._update_stats()
+
+    def _generate(self, job: Job) -> None:
+        request = job.request
+        context = self.prefix_cache.take(request.prompt)
+        usage = Usage(len(request.prompt), cached_tokens=len(context.tokens))
+        stops = StopMatcher(request.stop)
+        snapshot, finish = None, "cancelled"
+        responses = stream_generate(
+            self.target, self.draft, self.tokenizer, request.prompt,
+            block_size=self.block_size, max_tokens=request.max_tokens,
+            context=context, **request.sampling,
+        )
+        try:
+            for i, r in enumerate(responses):
+                if i == 0:
+                    snapshot = self.prefix_cache.snapshot(context)  # the prompt's end
+                else:
+                    usage.cycles += 1
+                    usage.accepted += r.accepted
+                usage.completion_tokens += len(r.tokens)
+                text, stopped = stops.feed(r.text)
+                if r.finish_reason and not stopped:
+                    text += stops.flush()
+                if text:
+                    job.emit(Delta(text))
+                if stopped or r.finish_reason:
+                    finish = "stop" if stopped else r.finish_reason
+                    break
+                if job.cancelled.is_set():
+                    break
+        finally:
+            responses.close()
+        # only a request that ran to a cycle boundary leaves caches worth keeping
+        self.prefix_cache.put(context, len(request.prompt), snapshot)
+        job.emit(Finished(finish, usage))

@@ -1,0 +1,125 @@
+"""Prefix reuse across requests: the decoder caches of recent requests, LRU.
+
+A multi-turn chat re-sends its whole history, so each request's caches (the
+target's KV and GatedDeltaNet states, and the draft's context cache of
+injected target features) are kept after it finishes, together with the ids
+they hold: the prompt and every token the decoder fed. A new prompt that
+extends one of them prefills only its suffix:
+
+- attention-only targets roll back to the longest common prefix by trimming
+  every KV cache, target and draft alike;
+- targets with recurrent (``ArraysCache``) layers cannot be trimmed, so the
+  states are snapshotted at the end of the prompt: an entry is reused either
+  as it is (the new prompt extends everything it holds) or rolled back to
+  that snapshot (the new prompt extends the old prompt), never elsewhere.
+
+At least one prompt token is always left to prefill, for the logits of the
+first generated token. Entries are evicted least recently used first to stay
+within a byte budget; one in use is taken out of the cache, so the decoder
+can extend it in place.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+from mlx_lm.models.cache import ArraysCache
+
+from ..decoder import ContextCache
+from ..draft import DFlashDraft
+from ..target import Target
+
+MAX_ENTRIES = 8
+
+
+@dataclass
+class Entry:
+    context: ContextCache
+    prompt_len: int  # where ``snapshot`` was taken
+    snapshot: Optional[list]  # per target layer: an ArraysCache's arrays at prompt_len, else None
+    nbytes: int
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _nbytes(context: ContextCache, snapshot: Optional[list]) -> int:
+    arrays = [a for layer in snapshot or [] for a in layer or [] if a is not None]
+    return sum(c.nbytes for c in context.target + context.draft) + sum(a.nbytes for a in arrays)
+
+
+class PrefixCache:
+    """Decoder caches of recent requests, reusable by prompts that extend them."""
+
+    def __init__(self, target: Target, draft: DFlashDraft, budget_bytes: int):
+        self.target = target
+        self.draft = draft
+        self.budget = budget_bytes
+        self.entries: "OrderedDict[int, Entry]" = OrderedDict()  # least recently used first
+        self._next_key = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+    def _recurrent(self, context: ContextCache) -> bool:
+        return any(isinstance(c, ArraysCache) for c in context.target)
+
+    def _reusable(self, entry: Entry, prompt: list[int]) -> int:
+        """Tokens of ``prompt`` the entry can hold after an exact rollback."""
+        tokens = entry.context.tokens
+        n = _common_prefix(tokens, prompt[: len(prompt) - 1])
+        if n == len(tokens) or not self._recurrent(entry.context):
+            return n
+        return entry.prompt_len if entry.snapshot is not None and n >= entry.prompt_len else 0
+
+    def take(self, prompt: list[int]) -> ContextCache:
+        """Caches holding the longest reusable prefix of ``prompt`` (taken out
+        of the LRU), or fresh ones; ``len(context.tokens)`` is what was reused."""
+        best, reused = None, 0
+        for key, entry in self.entries.items():
+            n = self._reusable(entry, prompt)
+            if n > reused:
+                best, reused = key, n
+        if best is None:
+            return ContextCache(self.target.make_cache(), self.draft.make_cache())
+        entry = self.entries.pop(best)
+        self._rollback(entry, reused)
+        return entry.context
+
+    def _rollback(self, entry: Entry, n: int) -> None:
+        context = entry.context
+        drop = len(context.tokens) - n
+        if drop == 0:
+            return
+        for i, c in enumerate(context.target):
+            if isinstance(c, ArraysCache):
+                c.cache = list(entry.snapshot[i])  # n == entry.prompt_len here
+            else:
+                c.trim(drop)
+        for c in context.draft:
+            c.trim(drop)
+        del context.tokens[n:]
+
+    def snapshot(self, context: ContextCache) -> Optional[list]:
+        """The recurrent states of ``context`` as they are now (None if it has none)."""
+        if not self._recurrent(context):
+            return None
+        return [list(c.cache) if isinstance(c, ArraysCache) else None for c in context.target]
+
+    def put(self, context: ContextCache, prompt_len: int, snapshot: Optional[list]) -> None:
+        """Keep ``context`` (whose recurrent states were ``snapshot`` at
+        ``prompt_len``) as the most recent entry; evict to stay in budget."""
+        entry = Entry(context, prompt_len, snapshot, _nbytes(context, snapshot))
+        if not context.tokens or entry.nbytes > self.budget:
+            return
+        self.entries[self._next_key] = entry
+        self._next_key += 1
+        while len(self.entries) > MAX_ENTRIES or self.nbytes > self.budget:
+            self.entries.popitem(last=False)

@@ -1,0 +1,49 @@
+"""Request prompts as token ids: chat messages through the tokenizer's chat
+template (``dflash_mlx.chat``), completion prompts as text or ids."""
+
+from typing import Optional
+
+from ..chat import encode, template_ids
+from .errors import APIError
+from .schemas import ChatRequest, CompletionRequest
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text or "" for part in content)
+
+
+def chat_ids(tokenizer, body: ChatRequest, enable_thinking: Optional[bool]) -> list[int]:
+    """The conversation through the chat template; a ``developer`` message is a
+    system message. ``enable_thinking`` is the default when the request does
+    not say (in ``enable_thinking`` or ``chat_template_kwargs``)."""
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+        for m in body.messages
+    ]
+    thinking = body.template_kwargs().get("enable_thinking", enable_thinking)
+    try:
+        ids = template_ids(tokenizer, messages, enable_thinking=thinking)
+    except Exception as e:  # the template's own complaint (roles out of order, ...)
+        raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
+    if not ids:
+        raise APIError(400, "the messages render to an empty prompt", "messages")
+    return ids
+
+
+def completion_ids(tokenizer, body: CompletionRequest, vocab_size: int) -> list[int]:
+    """The prompt encoded as ``generate`` encodes text, or the ids as given."""
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        ids = encode(tokenizer, prompt) if prompt else []
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "prompt")
+    if not ids:
+        raise APIError(400, "the prompt is empty", "prompt")
+    return ids

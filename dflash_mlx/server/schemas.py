@@ -1,0 +1,117 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic).
+
+Unknown fields are ignored (clients send ``user``, ``stream_options``,
+``tools``...); known fields with values this server cannot honour are
+rejected by ``unsupported()`` with a message naming the field.
+"""
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(Body):
+    include_usage: bool = False
+
+
+class TextPart(Body):
+    type: str
+    text: Optional[str] = None
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+
+
+class Sampling(Body):
+    """Fields shared by chat and text completions."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0)  # greedy unless asked, as mlx-lm's server
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0)
+    repetition_context_size: int = Field(20, ge=1)
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        """(param, message) for a known field this server cannot honour."""
+        if self.n != 1:
+            return "n", f"n={self.n} is not supported: this server returns one choice per request"
+        return None
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    response_format: Optional[dict] = None
+    enable_thinking: Optional[bool] = None
+    chat_template_kwargs: Optional[dict] = None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported"
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            return "response_format", f"response_format '{kind}' is not supported; only 'text'"
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
+                return f"messages[{i}].content", "only text content parts are supported"
+        return super().unsupported()
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+    def template_kwargs(self) -> dict:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        return kwargs
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                return "prompt", "only one prompt per request is supported"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of > 1 is not supported"
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported"
+        return super().unsupported()
+
+    def single_prompt(self) -> Union[str, list[int]]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return self.prompt[0]
+        return self.prompt
