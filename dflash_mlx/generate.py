@@ -13,6 +13,8 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import validate
+from .chat import encode
 from .decoder import ContextCache, DraftProposer, SpeculativeDecoder
 from .draft import DFlashDraft
 from .errors import DFlashError
@@ -87,17 +89,10 @@ def check_pair(target: Target, draft: DFlashDraft) -> None:
         )
 
 
-def _encode(tokenizer: TokenizerWrapper, prompt) -> mx.array:
+def _encode(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array:
     if isinstance(prompt, str):
-        if not prompt:
-            raise DFlashError("the prompt is empty; give some text or token ids")
-        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
-        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
-    ids = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt))
-    ids = ids.reshape(-1).astype(mx.int32)
-    if ids.size == 0:
-        raise DFlashError("the prompt is empty; give some text or token ids")
-    return ids
+        prompt = encode(tokenizer, validate.text(prompt))
+    return mx.array(validate.token_ids(prompt, vocab_size))
 
 
 def stream_generate(
@@ -125,12 +120,21 @@ def stream_generate(
     The output is distributed exactly as the target's own decoding with mlx-lm's
     sampler and logits processors of the same settings: at temperature 0 it is
     the target's greedy tokens; above 0, drafts pass through lossless rejection
-    sampling. ``prompt`` is a string (encoded as is, no chat template), a list of
-    ids or an ``mx.array``. Generation stops at EOS (not emitted) or after
-    exactly ``max_tokens`` tokens. ``seed`` makes sampling reproducible.
+    sampling. ``prompt`` is a string (encoded as is, no chat template; see
+    ``dflash_mlx.chat``) or integer ids in a list, NumPy array or ``mx.array``.
+    Generation stops at EOS (not emitted) or after exactly ``max_tokens``
+    tokens. ``seed`` makes sampling reproducible. Arguments are checked by
+    ``dflash_mlx.validate``; a ``block_size`` above the draft's trained size
+    warns, above twice it is an error.
     ``context`` continues from caches that already hold a proper prefix of the
     prompt (only the rest is prefilled) and is left holding every fed token.
     """
+    validate.options({k: v for k, v in locals().items() if k in validate.RULES})
+    target = model if isinstance(model, Target) else Target(model)
+    check_pair(target, draft)
+    trained = draft.config.block_size
+    block_size = trained if block_size is None else validate.block_size(block_size, trained)
+    validate.logit_bias(logit_bias, target.vocab_size)
     sampler = BlockSampler(
         SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -140,18 +144,9 @@ def stream_generate(
             logit_bias=logit_bias,
         )
     )
-    if max_tokens <= 0:
-        raise DFlashError(f"max_tokens must be positive, got {max_tokens}")
-    if prefill_step_size <= 0:
-        raise DFlashError(f"prefill_step_size must be positive, got {prefill_step_size}")
-    target = model if isinstance(model, Target) else Target(model)
-    check_pair(target, draft)
-    block_size = draft.config.block_size if block_size is None else block_size
-    if block_size < 2:
-        raise DFlashError(f"block_size must be at least 2, got {block_size}")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    prompt_ids = _encode(tokenizer, prompt)
+    prompt_ids = _encode(tokenizer, prompt, target.vocab_size)
     if context is None:
         context = ContextCache(target.make_cache(), draft.make_cache())
     n = len(context.tokens)

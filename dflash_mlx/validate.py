@@ -1,0 +1,148 @@
+"""Type and range checks of every public argument, shared by the Python API
+(``stream_generate``) and the command line, which checks before loading any
+model. Each failure is a one-line ``DFlashError`` naming the argument as the
+caller knows it (``max_tokens`` in Python, ``--max-tokens`` on the command line).
+"""
+
+import math
+import warnings
+from numbers import Integral, Real
+from typing import Callable, Optional
+
+import numpy as np
+
+from .errors import DFlashError
+
+MAX_SEED = 2**64  # mx.random.seed takes an unsigned 64-bit integer
+BLOCK_CAP_FACTOR = 2  # a block may be at most this many times the draft's trained size
+
+
+class UntrainedBlockWarning(UserWarning):
+    """A block size above the draft's trained block size."""
+
+
+def integer(value, name: str, low: Optional[int] = None, high: Optional[int] = None) -> int:
+    """An integer (not a bool, not a float) in [low, high)."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise DFlashError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise DFlashError(f"{name} must be {'positive' if low == 1 else f'>= {low}'}, got {value}")
+    if high is not None and value >= high:
+        raise DFlashError(f"{name} must be below {high}, got {value}")
+    return int(value)
+
+
+def real(value, name: str, low: Optional[float] = None, high: Optional[float] = None,
+         open_low: bool = False) -> float:
+    """A finite number (not a bool) in [low, high], or (low, high] with ``open_low``."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise DFlashError(f"{name} must be a finite number, got {value!r}")
+    below = low is not None and (value <= low if open_low else value < low)
+    if below or (high is not None and value > high):
+        rule = (f"{'>' if open_low else '>='} {low:g}" if high is None
+                else f"in {'(' if open_low else '['}{low:g}, {high:g}]")
+        raise DFlashError(f"{name} must be {rule}, got {value:g}")
+    return float(value)
+
+
+def optional(check: Callable) -> Callable:
+    """``check`` for a value that may also be None."""
+    return lambda value, name: None if value is None else check(value, name)
+
+
+# The numeric options of stream_generate (and the CLI flags that map to them).
+RULES: dict[str, Callable] = {
+    "max_tokens": lambda v, n: integer(v, n, low=1),
+    "prefill_step_size": lambda v, n: integer(v, n, low=1),
+    "temperature": lambda v, n: real(v, n, low=0.0),
+    "top_p": lambda v, n: real(v, n, low=0.0, high=1.0, open_low=True),
+    "top_k": lambda v, n: integer(v, n, low=0),
+    "min_p": lambda v, n: real(v, n, low=0.0, high=1.0),
+    "seed": optional(lambda v, n: integer(v, n, low=0, high=MAX_SEED)),
+    "repetition_penalty": optional(lambda v, n: real(v, n, low=0.0, open_low=True)),
+    "repetition_context_size": lambda v, n: integer(v, n, low=1),
+    "presence_penalty": optional(real),
+    "frequency_penalty": optional(real),
+}
+
+
+def options(values: dict, flags: Optional[dict] = None) -> None:
+    """Check every ``RULES`` option in ``values``, naming it ``flags[key]`` if given."""
+    for key, value in values.items():
+        RULES[key](value, (flags or {}).get(key, key))
+
+
+def block_size(value, trained: int, name: str = "block_size",
+               warn: Optional[Callable[[str], None]] = None) -> int:
+    """An integer from 2 to ``BLOCK_CAP_FACTOR`` times the draft's trained block size.
+
+    Above the trained size the draft predicts positions it never learned: that
+    is allowed, with a warning (``warn(message)``, by default an
+    ``UntrainedBlockWarning``); beyond the cap those positions are all but never
+    accepted while each still costs a verified token, so it is an error.
+    """
+    value = integer(value, name)
+    if value < 2:
+        raise DFlashError(f"{name} must be at least 2, got {value}")
+    cap = BLOCK_CAP_FACTOR * trained
+    if value > cap:
+        raise DFlashError(f"{name} must be at most {cap} ({BLOCK_CAP_FACTOR}x the draft's trained "
+                          f"block size {trained}), got {value}")
+    if value > trained:
+        message = (f"{name} {value} is above the draft's trained block size {trained}: "
+                   f"acceptance at draft positions beyond {trained} is untrained")
+        if warn is None:
+            warnings.warn(message, UntrainedBlockWarning, stacklevel=3)
+        else:
+            warn(message)
+    return value
+
+
+def token_ids(ids, vocab_size: int, name: str = "prompt") -> np.ndarray:
+    """A non-empty 1-D sequence of integer ids in [0, vocab_size), as int32.
+
+    Takes a list or tuple of ints, an integer NumPy array or an integer
+    ``mx.array``.
+    """
+    if isinstance(ids, (list, tuple)):
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)), None)
+        if bad is not None:
+            raise DFlashError(f"{name} token ids must be integers, got {bad!r}")
+        array = np.array(ids, dtype=np.int64)
+    else:
+        array = np.asarray(ids)
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+            raise DFlashError(f"{name} token ids must be integers, got an array of {array.dtype}")
+        array = array.astype(np.int64)
+    if array.ndim != 1:
+        raise DFlashError(f"{name} must be one sequence of token ids, got shape {tuple(array.shape)}")
+    if array.size == 0:
+        raise DFlashError(f"the {name} is empty; give some text or token ids")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        raise DFlashError(f"{name} token ids must lie in [0, {vocab_size}), got "
+                          f"{low if low < 0 else high}")
+    return array.astype(np.int32)
+
+
+def logit_bias(bias, vocab_size: int, name: str = "logit_bias") -> None:
+    """None, or a dict of integer token ids in [0, vocab_size) to finite numbers."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise DFlashError(f"{name} must be a dict of token id to bias, got {type(bias).__name__}")
+    for token, value in bias.items():
+        integer(token, f"{name} token id", low=0, high=vocab_size)
+        real(value, f"{name}[{token}]")
+
+
+def text(value: str, name: str = "prompt") -> str:
+    """Text that is valid UTF-8 (undecodable input bytes arrive as lone surrogates)
+    and not empty or all whitespace."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DFlashError(f"the {name} is not valid UTF-8") from None
+    if not value.strip():
+        raise DFlashError(f"the {name} is empty")
+    return value
