@@ -1,19 +1,43 @@
 """The ``dflash-mlx`` command line (typer)."""
 
 import sys
+import warnings
 from typing import Optional
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from .errors import DFlashError
-from .registry import KNOWN_PAIRS, find_draft
+
+
+class _Commands(TyperGroup):
+    """Usage errors (an option value of the wrong type, a missing option) end
+    like every other error: one ``error:`` line and exit status 1."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            _fail(e.format_message())
+
 
 app = typer.Typer(
+    cls=_Commands,
     help="Lossless DFlash speculative decoding for MLX: the target's own output, faster.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+# generate's options that dflash_mlx.validate checks, by their stream_generate names
+GENERATE_FLAGS = {
+    "max_tokens": "--max-tokens", "prefill_step_size": "--prefill-step-size", "temperature": "--temp",
+    "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed",
+    "repetition_penalty": "--repetition-penalty",
+}
+THINKING_HELP = ("Pass enable_thinking=True/False to the chat template. Default: the registry's "
+                 "choice for the pair (what its draft was trained on), else the template's own.")
 
 
 def _fail(message: str) -> None:
@@ -21,19 +45,19 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
+def _note(message: str) -> None:
+    typer.echo(message, err=True)
+
+
 def _read_prompt(prompt: str) -> str:
-    text = sys.stdin.read() if prompt == "-" else prompt
-    if not text.strip():
-        _fail("the prompt is empty; pass --prompt TEXT or --prompt - with text on stdin")
-    return text
+    from .validate import text
 
-
-def _chat_prompt(tokenizer, prompt: str, system: Optional[str]) -> str:
-    if not getattr(tokenizer, "has_chat_template", False):
-        return prompt
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if prompt == "-":
+        try:
+            prompt = sys.stdin.read()
+        except UnicodeDecodeError:
+            raise DFlashError("the prompt on stdin is not valid UTF-8") from None
+    return text(prompt)
 
 
 @app.command()
@@ -47,103 +71,101 @@ def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or '-' to read it from stdin."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Stop after this many generated tokens."),
     block_size: Optional[int] = typer.Option(
-        None, "--block-size", "-b", help="Tokens per draft block (>= 2). Default: the draft's trained size."
+        None, "--block-size", "-b",
+        help="Tokens per draft block, 2 to twice the draft's trained size (above it: a warning). Default: the trained size.",
     ),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed the prompt as is."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
+    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
     prefill_step_size: int = typer.Option(2048, "--prefill-step-size", help="Prompt tokens per prefill chunk."),
     temp: float = typer.Option(0.0, "--temp", "-t", help="Sampling temperature; 0 is greedy. Lossless at any value."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed; the same seed gives the same tokens."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed in [0, 2^64); the same seed gives the same tokens."),
     repetition_penalty: Optional[float] = typer.Option(
-        None, "--repetition-penalty", help="mlx-lm's repetition penalty (e.g. 1.1), applied exactly."
+        None, "--repetition-penalty", help="mlx-lm's repetition penalty (> 0, e.g. 1.1), applied exactly."
     ),
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
-    from .sampling import SamplingParams
+    options = dict(max_tokens=max_tokens, prefill_step_size=prefill_step_size, temperature=temp,
+                   top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                   repetition_penalty=repetition_penalty)
+    try:
+        from . import validate
+        from .draft import DraftConfig
+        from .registry import read_config, resolve_pair
 
-    sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                    repetition_penalty=repetition_penalty)
-    try:
-        SamplingParams(**sampling).validate()
-    except DFlashError as e:
-        _fail(str(e))
-    if max_tokens <= 0:
-        _fail(f"--max-tokens must be positive, got {max_tokens}")
-    if block_size is not None and block_size < 2:
-        _fail(f"--block-size must be at least 2, got {block_size}")
-    text = _read_prompt(prompt)
-    if model is None:
-        if draft is not None:
-            _fail("--draft needs --model (the target it was made for)")
-        model, draft = _demo_pair()
-    draft = draft or find_draft(model)
-    if draft is None:
-        _fail(
-            f"no known DFlash draft for target '{model}'; pass --draft, or use one of: "
-            + ", ".join(KNOWN_PAIRS)
-        )
-    try:
-        _run(model, draft, text, not no_chat_template, system, block_size=block_size,
-             max_tokens=max_tokens, prefill_step_size=prefill_step_size, **sampling)
+        validate.options(options, GENERATE_FLAGS)
+        if block_size is not None and block_size < 2:
+            raise DFlashError(f"--block-size must be at least 2, got {block_size}")
+        text = _read_prompt(prompt)
+        pair = resolve_pair(model, draft)
+        if pair.demo:
+            _note("no --model given: using the bundled demo pair (a tiny Qwen3.5-hybrid Python code "
+                  "model and its trained draft, offline); pass --model for a real model")
+        trained = DraftConfig.from_dict(read_config(pair.draft, "draft")).block_size
+        if block_size is not None:
+            validate.block_size(block_size, trained, "--block-size", warn=lambda m: _note(f"warning: {m}"))
+        chat = None
+        if not no_chat_template:
+            chat = dict(system=system, enable_thinking=pair.enable_thinking if thinking is None else thinking)
+        _run(pair.target, pair.draft, text, chat, block_size=block_size, **options)
     except DFlashError as e:
         _fail(str(e))
 
 
-def _demo_pair() -> tuple[str, str]:
-    from .demo import demo_pair
-
-    try:
-        pair = demo_pair()
-    except DFlashError as e:
-        _fail(str(e))
-    typer.echo(
-        "no --model given: using the bundled demo pair (a tiny Qwen3.5-hybrid Python code model "
-        "and its trained draft, offline); pass --model for a real model",
-        err=True,
-    )
-    return str(pair.target), str(pair.draft)
-
-
-def _run(model_id, draft_id, text, chat, system, **options):
+def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], **options) -> None:
+    """Load the pair, template the prompt (``chat``: apply_template's options, or
+    None for the text as is) and stream the output; the figures go to stderr."""
+    from .chat import apply_template, has_template, thinking_note
     from .generate import stream_generate
     from .loading import load, load_draft
+    from .validate import UntrainedBlockWarning
 
     model, tokenizer = load(model_id)
     draft = load_draft(draft_id)
-    if chat:
-        text = _chat_prompt(tokenizer, text, system)
+    note = None
+    if chat is not None and has_template(tokenizer):
+        text = apply_template(tokenizer, text, **chat)
+        note = thinking_note(chat["enable_thinking"])
     accepted = cycles = 0
     last = None
-    for r in stream_generate(model, draft, tokenizer, text, **options):
-        sys.stdout.write(r.text)
-        sys.stdout.flush()
-        if last is not None:
-            cycles += 1
-            accepted += r.accepted
-        last = r
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UntrainedBlockWarning)  # the command warned already
+        for r in stream_generate(model, draft, tokenizer, text, **options):
+            if last is None and note:  # once the pair and prompt passed every check
+                _note(note)
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+            if last is not None:
+                cycles += 1
+                accepted += r.accepted
+            last = r
     sys.stdout.write("\n")
     b = options["block_size"] or draft.config.block_size
     tau = (accepted + cycles) / cycles if cycles else float("nan")
     rate = accepted / (cycles * (b - 1)) if cycles else float("nan")
-    typer.echo(
+    _note(
         f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
         f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
         f"tau {tau:.2f} tokens/cycle over {cycles} cycles (block {b}), "
-        f"draft acceptance {rate:.1%} | peak memory {last.peak_memory:.2f} GB",
-        err=True,
+        f"draft acceptance {rate:.1%} | peak memory {last.peak_memory:.2f} GB"
     )
 
 
 @app.command()
 def models():
     """List the known target -> draft pairs used when --draft is not given."""
+    from .registry import KNOWN_PAIRS
+
+    mode = {None: "template default", True: "thinking", False: "no thinking"}
     width = max(map(len, KNOWN_PAIRS))
+    draft_width = max(len(d.repo) for d in KNOWN_PAIRS.values())
     for target, draft in KNOWN_PAIRS.items():
-        typer.echo(f"{target:<{width}}  {draft}")
-    typer.echo("\nmlx-community/<name>-4bit / -8bit targets use the draft of <name>.")
+        typer.echo(f"{target:<{width}}  {draft.repo:<{draft_width}}  {mode[draft.enable_thinking]}")
+    typer.echo("\nmlx-community/<name>-4bit / -8bit targets use the draft of <name>. The last column is "
+               "the chat template's default thinking mode for the pair (--thinking / --no-thinking).")
 
 
 @app.command()
@@ -268,6 +290,7 @@ def bench(
     category: Optional[list[str]] = typer.Option(None, "--category", help="Only these prompt categories (repeatable)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on the CPU backend, else as stored), keep, float32, float16 or bfloat16."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed prompts as is."),
+    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed short run of every arm first."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Write every raw figure, the machine and the config here."),
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart (needs the plot extra: matplotlib)."),
@@ -281,29 +304,11 @@ def bench(
     overhead_ms: float = typer.Option(0.0, "--overhead-ms", help="--predict: fixed cost added to every forward pass."),
 ):
     """Baseline (mlx-lm) and DFlash side by side: speedup, tau, acceptance, memory, identity."""
+    options = dict(locals())
     try:
-        from .bench import main_predict, main_run, parse_block_sizes
+        from .bench.command import main
 
-        sizes = parse_block_sizes(block_size)
-        if predict:
-            main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
-                         block_sizes=sizes, chips=chip, context=context, dtype=dtype,
-                         neural=neural_accelerators, overhead_ms=overhead_ms, json_out=json_out)
-            return
-        if tau is not None or results or preset:
-            _fail("--tau, --results and --preset only apply with --predict")
-        from .sampling import SamplingParams
-
-        sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-        SamplingParams(**sampling).validate()
-        if max_tokens <= 0:
-            _fail(f"--max-tokens must be positive, got {max_tokens}")
-        if repeat <= 0:
-            _fail(f"--repeat must be positive, got {repeat}")
-        main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens,
-                 block_sizes=sizes, sampling=sampling, repeat=repeat, limit=limit,
-                 categories=category, dtype=dtype, chat_template=not no_chat_template,
-                 warmup=warmup, json_out=json_out, plot_out=plot_out)
+        main(**options)
     except DFlashError as e:
         _fail(str(e))
 

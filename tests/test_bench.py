@@ -11,9 +11,13 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError
-from dflash_mlx import bench as B
-from dflash_mlx import cost_model as cm
-from dflash_mlx.bench_prompts import CATEGORIES, builtin_prompts, load_prompts, select
+from dflash_mlx.bench import cost_model as cm
+from dflash_mlx.bench import report, runs, summary
+from dflash_mlx.bench.chips import Chip, find_chips
+from dflash_mlx.bench.presets import PRESETS
+from dflash_mlx.bench.prompts import CATEGORIES, builtin_prompts, load_prompts, select
+from dflash_mlx.bench.render import render
+from dflash_mlx.bench.schedule import BASELINE, DFLASH, schedule
 from dflash_mlx.cli import app
 
 PROMPTS = [
@@ -25,7 +29,7 @@ PROMPTS = [
 # ---------------------------------------------------------------- order
 
 def test_schedule_interleaves_and_alternates():
-    steps = B.schedule(2, 2, [16, 8])
+    steps = schedule(2, 2, [16, 8])
     labels = [(s.repeat, s.prompt, s.label) for s in steps]
     unit0 = [(0, 0, "baseline"), (0, 0, "dflash b=16"), (0, 0, "dflash b=8")]
     unit1 = [(0, 1, "dflash b=8"), (0, 1, "dflash b=16"), (0, 1, "baseline")]
@@ -33,7 +37,7 @@ def test_schedule_interleaves_and_alternates():
     unit3 = [(1, 1, "dflash b=8"), (1, 1, "dflash b=16"), (1, 1, "baseline")]
     assert labels == unit0 + unit1 + unit2 + unit3
     # an odd number of prompts still alternates across repeats
-    firsts = [B.schedule(3, 2, [4])[i].arm for i in range(0, 12, 2)]
+    firsts = [schedule(3, 2, [4])[i].arm for i in range(0, 12, 2)]
     assert firsts == ["baseline", "dflash", "baseline", "dflash", "baseline", "dflash"]
 
 
@@ -60,7 +64,7 @@ def test_run_bench_calls_runners_in_schedule_order():
         def encode(self, text, add_special_tokens=True):
             return [len(w) for w in text.split()]
 
-    out = B.run_bench(None, None, Tok(), PROMPTS, block_sizes=[4, 8], max_tokens=5, repeat=1,
+    out = runs.run_bench(None, None, Tok(), PROMPTS, block_sizes=[4, 8], max_tokens=5, repeat=1,
                       warmup_tokens=2, runners={"baseline": fake("baseline"), "dflash": fake("dflash")})
     warm = [("baseline", None, 2), ("dflash", 4, 2), ("dflash", 8, 2)]
     timed = [("baseline", None, 5), ("dflash", 4, 5), ("dflash", 8, 5),
@@ -73,16 +77,16 @@ def test_run_bench_calls_runners_in_schedule_order():
 # ---------------------------------------------------------------- identity
 
 def test_compare_tokens():
-    assert B.compare_tokens([1, 2, 3], [1, 2, 3]) == {"identical": True, "first_divergence": None}
-    d = B.compare_tokens([1, 2, 3, 4], [1, 2, 9, 4])
+    assert summary.compare_tokens([1, 2, 3], [1, 2, 3]) == {"identical": True, "first_divergence": None}
+    d = summary.compare_tokens([1, 2, 3, 4], [1, 2, 9, 4])
     assert not d["identical"]
     assert d["first_divergence"] == {"index": 2, "baseline": 3, "dflash": 9,
                                      "baseline_tokens": 4, "dflash_tokens": 4}
-    d = B.compare_tokens([1, 2, 3], [1, 2])  # DFlash stopped early
+    d = summary.compare_tokens([1, 2, 3], [1, 2])  # DFlash stopped early
     assert d["first_divergence"]["index"] == 2
     assert d["first_divergence"]["baseline"] == 3 and d["first_divergence"]["dflash"] is None
-    assert B.compare_tokens([], [5])["first_divergence"]["index"] == 0
-    assert B.compare_tokens([], [])["identical"]
+    assert summary.compare_tokens([], [5])["first_divergence"]["index"] == 0
+    assert summary.compare_tokens([], [])["identical"]
 
 
 # ---------------------------------------------------------------- arithmetic on a synthetic run
@@ -93,25 +97,25 @@ def _run(step, pid, cat, arm, generated, decode_s, block=None, accepted=(), wall
            "generated": generated, "finish_reason": "length", "prefill_s": 0.5, "decode_s": decode_s,
            "wall_s": wall_s, "prefill_tps": 20.0, "decode_tps": (generated - 1) / decode_s,
            "reported_prompt_tps": None, "reported_generation_tps": None, "peak_memory_gb": 1.0,
-           "distinct_token_ratio": 1.0 if arm == B.DFLASH else 0.5 if pid == "p1" else 0.25}
-    if arm == B.DFLASH:
+           "distinct_token_ratio": 1.0 if arm == DFLASH else 0.5 if pid == "p1" else 0.25}
+    if arm == DFLASH:
         rec.update(cycles=len(accepted), accepted=list(accepted))
     return rec
 
 
 def test_speedup_and_tau_arithmetic():
     runs = [
-        _run(0, "p1", "math", B.BASELINE, 11, 2.0, wall_s=2.5),  # 5 tok/s
-        _run(1, "p1", "math", B.DFLASH, 11, 0.5, 4, [3, 3, 1, 0], wall_s=1.0),  # 20 tok/s: 4.0x
-        _run(2, "p2", "chat", B.DFLASH, 11, 1.0, 4, [0, 1, 2, 3, 0, 1], wall_s=2.0),  # 10 tok/s
-        _run(3, "p2", "chat", B.BASELINE, 11, 5.0, wall_s=5.0),  # 2 tok/s: 5.0x
+        _run(0, "p1", "math", BASELINE, 11, 2.0, wall_s=2.5),  # 5 tok/s
+        _run(1, "p1", "math", DFLASH, 11, 0.5, 4, [3, 3, 1, 0], wall_s=1.0),  # 20 tok/s: 4.0x
+        _run(2, "p2", "chat", DFLASH, 11, 1.0, 4, [0, 1, 2, 3, 0, 1], wall_s=2.0),  # 10 tok/s
+        _run(3, "p2", "chat", BASELINE, 11, 5.0, wall_s=5.0),  # 2 tok/s: 5.0x
     ]
-    pairs = B.make_pairs(runs, compare=True)
+    pairs = summary.make_pairs(runs, compare=True)
     assert [(p["prompt_id"], p["baseline_step"], p["dflash_step"]) for p in pairs] == [("p1", 0, 1), ("p2", 3, 2)]
     assert pairs[0]["speedup"] == pytest.approx(4.0) and pairs[1]["speedup"] == pytest.approx(5.0)
     assert pairs[0]["wall_speedup"] == pytest.approx(2.5) and pairs[1]["wall_speedup"] == pytest.approx(2.5)
     assert pairs[0]["tau"] == pytest.approx(11 / 4) and pairs[1]["tau"] == pytest.approx(13 / 6)
-    s = B.summarize(runs, pairs, [4])["dflash"]["4"]
+    s = summary.summarize(runs, pairs, [4])["dflash"]["4"]
     # 10 cycles, 14 accepted drafts: tau = (14 + 10) / 10; rate = 14 / (10 * 3)
     assert s["cycles"] == 10
     assert s["tau"] == pytest.approx(2.4)
@@ -127,23 +131,23 @@ def test_speedup_and_tau_arithmetic():
     assert s["by_category"]["math"]["speedup"]["median"] == pytest.approx(4.0)
     assert s["by_category"]["chat"]["tau"] == pytest.approx(13 / 6)
     assert s["identical"] == 2 and s["compared"] == 2 and s["divergences"] == []
-    base = B.summarize(runs, pairs, [4])["baseline"]
+    base = summary.summarize(runs, pairs, [4])["baseline"]
     assert base["decode_tps"]["median"] == pytest.approx(3.5) and base["wall_s"] == pytest.approx(7.5)
     assert base["distinct_token_ratio"]["median"] == pytest.approx(0.375)
 
 
 def test_stats():
-    s = B.stats([3.0, None, 1.0, 2.0, 4.0])
+    s = summary.stats([3.0, None, 1.0, 2.0, 4.0])
     assert (s["n"], s["median"], s["min"], s["max"]) == (4, 2.5, 1.0, 4.0)
     assert (s["q1"], s["q3"]) == (pytest.approx(1.75), pytest.approx(3.25))
-    assert B.stats([None]) is None
-    assert B.stats([2.0])["q1"] == 2.0
+    assert summary.stats([None]) is None
+    assert summary.stats([2.0])["q1"] == 2.0
 
 
 def test_sampling_pairs_are_not_compared():
-    runs = [_run(0, "p", "c", B.BASELINE, 5, 1.0), _run(1, "p", "c", B.DFLASH, 5, 1.0, 4, [1, 1])]
-    pairs = B.make_pairs(runs, compare=False)
-    s = B.summarize(runs, pairs, [4])["dflash"]["4"]
+    runs = [_run(0, "p", "c", BASELINE, 5, 1.0), _run(1, "p", "c", DFLASH, 5, 1.0, 4, [1, 1])]
+    pairs = summary.make_pairs(runs, compare=False)
+    s = summary.summarize(runs, pairs, [4])["dflash"]["4"]
     assert pairs[0]["identical"] is None and s["identical"] is None and s["compared"] == 0
 
 
@@ -159,15 +163,15 @@ def pair(target_dirs, draft_dir):
 
 def test_report_schema_and_identity_on_tiny_models(pair, tmp_path):
     model, draft, tokenizer = pair
-    result = B.run_bench(model, draft, tokenizer, PROMPTS, block_sizes=[4, 2], max_tokens=10,
+    result = runs.run_bench(model, draft, tokenizer, PROMPTS, block_sizes=[4, 2], max_tokens=10,
                          chat_template=False, warmup_tokens=2)
     config = {"model": "t", "draft": "d", "max_tokens": 10, "block_sizes": [4, 2], "repeat": 1,
               "temperature": 0.0, "dtype": "checkpoint", "chat_template": False, "prompts": "test"}
-    report = B.make_report(result, config, B.machine_info())
-    B.validate_report(report)
+    made = report.make_report(result, config, report.machine_info())
+    report.validate_report(made)
     path = tmp_path / "r.json"
-    B.write_json(report, path)
-    again = B.read_report(path)
+    report.write_json(made, path)
+    again = report.read_report(path)
     assert again["machine"]["backend"] in ("cpu", "metal", "cuda")
     assert again["machine"]["mlx"]
     if again["machine"]["system"] == "Linux":
@@ -187,7 +191,7 @@ def test_report_schema_and_identity_on_tiny_models(pair, tmp_path):
     from rich.console import Console
 
     console = Console(record=True, width=200)
-    B.render(again, console)
+    render(again, console)
     text = console.export_text()
     assert "DFlash b=4" in text and "2/2" in text
     assert "distinct-token ratio of the baseline's output" in text
@@ -197,16 +201,16 @@ def test_divergence_is_reported(pair):
     model, draft, tokenizer = pair
 
     def corrupted(*args):  # DFlash, with one token changed
-        rec = B.run_dflash(*args)
+        rec = runs.run_dflash(*args)
         rec["tokens"][3] = (rec["tokens"][3] + 1) % 500
         return rec
 
-    result = B.run_bench(model, draft, tokenizer, PROMPTS[:1], block_sizes=[4], max_tokens=8,
+    result = runs.run_bench(model, draft, tokenizer, PROMPTS[:1], block_sizes=[4], max_tokens=8,
                          chat_template=False, warmup_tokens=0, runners={"dflash": corrupted})
     side = result["summary"]["dflash"]["4"]
     assert side["identical"] == 0 and side["compared"] == 1
     (d,) = side["divergences"]
-    base = next(r for r in result["runs"] if r["arm"] == B.BASELINE)["tokens"]
+    base = next(r for r in result["runs"] if r["arm"] == BASELINE)["tokens"]
     assert d["prompt_id"] == "a" and d["index"] == 3
     assert d["baseline"] == base[3] and d["dflash"] == (base[3] + 1) % 500
 
@@ -217,22 +221,22 @@ def test_divergence_from_another_target(pair, tmp_path):
     other, config = build_target("qwen3", seed=7)
 
     def other_baseline(_model, tok, ids, max_tokens, sampling):
-        return B.run_baseline(other, tok, ids, max_tokens, sampling)
+        return runs.run_baseline(other, tok, ids, max_tokens, sampling)
 
-    result = B.run_bench(model, draft, tokenizer, PROMPTS, block_sizes=[4], max_tokens=8,
+    result = runs.run_bench(model, draft, tokenizer, PROMPTS, block_sizes=[4], max_tokens=8,
                          chat_template=False, warmup_tokens=0, runners={"baseline": other_baseline})
     side = result["summary"]["dflash"]["4"]
     assert side["identical"] < 2 and len(side["divergences"]) == 2 - side["identical"]
 
 
 def test_validate_report_rejects_bad_reports(pair):
-    good = {"schema": B.SCHEMA, "schema_version": B.SCHEMA_VERSION, "created": "now",
+    good = {"schema": report.SCHEMA, "schema_version": report.SCHEMA_VERSION, "created": "now",
             "machine": {"platform": "p", "mlx": "0", "backend": "cpu", "python": "3"},
             "config": {"model": "t", "draft": "d", "max_tokens": 5, "block_sizes": [4], "repeat": 1,
                        "temperature": 0, "dtype": "float32", "chat_template": True, "prompts": "builtin"},
             "prompts": [], "runs": [], "pairs": [],
-            "summary": B.summarize([], [], [4])}
-    B.validate_report(good)
+            "summary": summary.summarize([], [], [4])}
+    report.validate_report(good)
     for breaking in (lambda r: r.pop("runs"), lambda r: r.update(schema="other"),
                      lambda r: r["config"].update(max_tokens="5"),
                      lambda r: r["summary"]["dflash"]["4"].update(accepted_histogram=[0, 0]),
@@ -240,7 +244,7 @@ def test_validate_report_rejects_bad_reports(pair):
         bad = json.loads(json.dumps(good))
         breaking(bad)
         with pytest.raises(DFlashError):
-            B.validate_report(bad)
+            report.validate_report(bad)
 
 
 # ---------------------------------------------------------------- prompts
@@ -278,7 +282,7 @@ def test_load_and_select_prompts(tmp_path):
 # ---------------------------------------------------------------- cost model
 
 def test_cost_model_arithmetic():
-    chip = cm.Chip("X", 1, bandwidth_gbs=100.0, fp32_tflops=1.0, neural_tflops=None, source="test")
+    chip = Chip("X", 1, bandwidth_gbs=100.0, fp32_tflops=1.0, neural_tflops=None, source="test")
     target = cm.TargetProfile(params=0, dense_bytes=1e9, dense_flops=2e9, head_bytes=0.5e9,
                               head_flops=1e9, embed_row_bytes=0.0)
     draft = cm.DraftProfile(params=0, layer_bytes=0.2e9, layer_flops=0.4e9, inject_flops=0.0,
@@ -325,15 +329,15 @@ def test_profiles_count_every_weight():
     # 4-bit, group 64, bf16 scales: 0.5 + 4/64 bytes per quantizable weight
     q = cm.target_profile({**config, "quantization": {"bits": 4, "group_size": 64}}, "bfloat16")
     assert q.weight_bytes < prof.weight_bytes / 6
-    target, draft_cfg, published, tau = cm.PRESETS["qwen3.5-9b"]
+    target, draft_cfg, published, tau = PRESETS["qwen3.5-9b"]
     assert cm.target_profile(target).params == pytest.approx(8.95e9, rel=0.01)  # as published
     assert cm.draft_profile(draft_cfg).params == pytest.approx(1.24e9, rel=0.02)
 
 
 def test_preset_prediction_brackets_published_9b():
     """Qwen3.5-9B, tau 7.5, M5 Max: the measured 4.37x lies between the bounds."""
-    target, draft, published, tau = cm.PRESETS["qwen3.5-9b"]
-    (chip,) = cm.find_chips(["M5 Max"])
+    target, draft, published, tau = PRESETS["qwen3.5-9b"]
+    (chip,) = find_chips(["M5 Max"])
     p = cm.predict(cm.target_profile(target), cm.draft_profile(draft), chip, tau, 16)
     assert p.speedup_serial < published < p.speedup
 
@@ -366,9 +370,9 @@ def test_cli_bench_end_to_end(target_dirs, draft_dir, tmp_path):
         "bench", "--model", str(target_dirs["qwen3"]), "--draft", str(draft_dir("qwen3", block_size=4)),
         "--prompts", str(prompts), "-n", "6", "-b", "4", "--no-warmup", "--json", str(out)])
     assert res.exit_code == 0, res.output
-    report = B.read_report(out)
-    assert report["config"]["block_sizes"] == [4] and report["config"]["dtype"] in ("float32", "checkpoint")
-    assert report["summary"]["dflash"]["4"]["identical"] == 2
+    written = report.read_report(out)
+    assert written["config"]["block_sizes"] == [4] and written["config"]["dtype"] in ("float32", "checkpoint")
+    assert written["summary"]["dflash"]["4"]["identical"] == 2
     # --predict from the measured report: tau and the pair come from it
     res = CliRunner().invoke(app, ["bench", "--predict", "--results", str(out), "--chip", "M1"])
     assert res.exit_code == 0, res.output

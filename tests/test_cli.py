@@ -150,8 +150,8 @@ def test_unknown_target_without_draft_lists_known_targets(pair):
         (["-p", "hi", "-n", "0"], "--max-tokens must be positive"),
         (["-p", "hi", "-n", "-3"], "--max-tokens must be positive"),
         (["-p", "hi", "-b", "1"], "--block-size must be at least 2"),
-        (["-p", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
-        (["-p", "hi", "--temp", "-1"], "temperature must be >= 0"),
+        (["-p", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["-p", "hi", "--temp", "-1"], "--temp must be >= 0"),
     ],
 )
 def test_bad_arguments(pair, args, fragment):

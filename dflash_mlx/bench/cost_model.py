@@ -28,77 +28,16 @@ recurrence kernels below peak, and the lower efficiency of small matmuls; the
 README compares the result with published measurements.
 """
 
-from __future__ import annotations
-
 import copy
 import importlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .errors import DFlashError
+from ..errors import DFlashError
+from .chips import Chip
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class Chip:
-    name: str
-    gpu_cores: int
-    bandwidth_gbs: float  # unified memory bandwidth, GB/s (vendor figure)
-    fp32_tflops: float  # GPU shader FP32 peak; the matmul rate used (Apple GPUs run fp16 at the fp32 rate)
-    neural_tflops: Optional[float]  # M5: the claimed GPU Neural Accelerator rate (used with neural=True)
-    source: str
-
-    def matmul_tflops(self, neural: bool = False) -> float:
-        return self.neural_tflops if neural and self.neural_tflops else self.fp32_tflops
-
-
-_APPLE_M1 = "Apple M1-family launch figures (TFLOPS and GB/s), tabulated at akunu.prabod.rathnayaka.me/part1/ch05-chip-generations.html"
-_APPLE_M2 = "Apple M2-family launch figures: 100/200/400/800 GB/s; 3.6/6.8/13.6/27.2 TFLOPS (apple.com Mac Pro page: M2 Ultra 76-core 27.2 TFLOPS)"
-_HMC = "bandwidth: Apple launch figures; FP32 = cores x 128 ALUs x 2 x GPU clock, clocks as listed by hmc-tech.com (M3 1398 MHz, M4 1578 MHz, M4 Max 1678 MHz)"
-_M5 = ("bandwidth: Apple newsroom, M5 153 GB/s (Oct 2025), M5 Pro 307 GB/s, M5 Max 614 GB/s (Mar 2026); "
-       "FP32 assumed at the M4 Max clock (unpublished); Neural Accelerator rate = 4x the M4 counterpart "
-       "per Apple's 'over 4x peak GPU compute for AI', used only with --neural-accelerators")
-
-
-def _fp32(cores: int, mhz: float) -> float:
-    return round(cores * 128 * 2 * mhz / 1e6, 2)
-
-
-CHIPS: tuple[Chip, ...] = (
-    Chip("M1", 8, 68.25, 2.6, None, _APPLE_M1),
-    Chip("M1 Pro", 16, 200, 5.2, None, _APPLE_M1),
-    Chip("M1 Max", 32, 400, 10.4, None, _APPLE_M1),
-    Chip("M1 Ultra", 64, 800, 21.0, None, _APPLE_M1),
-    Chip("M2", 10, 100, 3.6, None, _APPLE_M2),
-    Chip("M2 Pro", 19, 200, 6.8, None, _APPLE_M2),
-    Chip("M2 Max", 38, 400, 13.6, None, _APPLE_M2),
-    Chip("M2 Ultra", 76, 800, 27.2, None, _APPLE_M2),
-    Chip("M3", 10, 100, _fp32(10, 1398), None, _HMC),
-    Chip("M3 Pro", 18, 150, _fp32(18, 1398), None, _HMC),
-    Chip("M3 Max", 40, 400, _fp32(40, 1398), None, _HMC),
-    Chip("M3 Ultra", 80, 819, _fp32(80, 1398), None, _HMC),
-    Chip("M4", 10, 120, _fp32(10, 1578), None, _HMC),
-    Chip("M4 Pro", 20, 273, _fp32(20, 1578), None, _HMC),
-    Chip("M4 Max", 40, 546, _fp32(40, 1678), None, _HMC),
-    Chip("M5", 10, 153, _fp32(10, 1678), 4 * _fp32(10, 1578), _M5),
-    Chip("M5 Pro", 20, 307, _fp32(20, 1678), 4 * _fp32(20, 1578), _M5),
-    Chip("M5 Max", 40, 614, _fp32(40, 1678), 4 * _fp32(40, 1678), _M5),
-)
-
-
-def find_chips(names: Optional[list[str]]) -> list[Chip]:
-    if not names:
-        return list(CHIPS)
-    by_name = {c.name.lower().replace(" ", ""): c for c in CHIPS}
-    out = []
-    for name in names:
-        chip = by_name.get(name.lower().replace(" ", "").replace("-", ""))
-        if chip is None:
-            raise DFlashError(f"unknown chip '{name}'; known: " + ", ".join(c.name for c in CHIPS))
-        out.append(chip)
-    return out
 
 
 @dataclass
@@ -285,7 +224,7 @@ def target_profile(config: dict, dtype: Optional[str] = None) -> TargetProfile:
 
 def draft_profile(config: dict, dtype: Optional[str] = None) -> DraftProfile:
     """Costs of a DFlash draft from its config.json (either dialect)."""
-    from .draft import SLIDING, DFlashDraft, DraftConfig
+    from ..draft import SLIDING, DFlashDraft, DraftConfig
 
     cfg = DraftConfig.from_dict(config)
     model = DFlashDraft(cfg)
@@ -387,66 +326,3 @@ def predict(target: TargetProfile, draft: DraftProfile, chip: Chip, tau: float, 
         verify_ms=1e3 * verify.seconds(chip, True, neural) + overhead_ms,
         verify_bound=verify.bound(chip, neural),
     )
-
-
-# ---------------------------------------------------------------- published models (README check)
-
-def _qwen35_text(hidden, layers, inter, heads, kv, linear_v, **extra) -> dict:
-    return {"model_type": "qwen3_5_text", "hidden_size": hidden, "num_hidden_layers": layers,
-            "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
-            "head_dim": 256, "vocab_size": 248320, "rms_norm_eps": 1e-6,
-            "linear_num_key_heads": 16, "linear_num_value_heads": linear_v,
-            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-            "full_attention_interval": 4, "max_position_embeddings": 262144,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-            **extra}
-
-
-def _qwen35(text: dict, tied: bool, moe: bool = False, quant: Optional[dict] = None) -> dict:
-    text = {**text, "tie_word_embeddings": tied}
-    cfg = {"model_type": "qwen3_5_moe" if moe else "qwen3_5", "tie_word_embeddings": tied,
-           "torch_dtype": "bfloat16", "text_config": text}
-    if moe:
-        cfg["text_config"]["model_type"] = "qwen3_5_moe_text"
-    if quant:
-        cfg["quantization"] = quant
-    return cfg
-
-
-def _z_lab_draft(hidden: int, inter: int, target_layers: int, layers: int = 6, features: int = 5) -> dict:
-    return {"model_type": "qwen3", "architectures": ["DFlashDraftModel"], "hidden_size": hidden,
-            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "intermediate_size": inter, "vocab_size": 248320,
-            "num_target_layers": target_layers, "torch_dtype": "bfloat16",
-            "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"],
-            "sliding_window": 4096,
-            "dflash_config": {"block_size": 16, "mask_token_id": 248077,
-                              "target_layer_ids": [1 + i * (target_layers - 4) // (features - 1)
-                                                   for i in range(features)]},
-            "rope_parameters": {"rope_theta": 1e7, "rope_type": "default"}}
-
-
-Q4 = {"group_size": 64, "bits": 4}
-_MOE = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-        "shared_expert_intermediate_size": 512, "norm_topk_prob": True}
-
-# name -> (target config, draft config, published speedup at 1024 tokens on an
-# M5 Max (bstnxbt/dflash-mlx 0.1.4, DESIGN.md §7), tau assumed for it)
-# Target shapes: THUDM/slime scripts/models (27B, 35B-A3B, 4B), Qwen3.5-9B from its
-# published architecture (32 layers, 4096/12288, 16/4 heads of 256, GDN 16 key /
-# 32 value heads of 128; 8.95 B parameters, which the built model reproduces).
-# Draft shapes are assumptions: six z-lab layers of the target's width (DESIGN.md
-# §3), 32 x 128 heads, 5 target features; the 9B's (1.24 B parameters) matches the
-# ~1.3 GiB Q8_0 export of z-lab/Qwen3.5-9B-DFlash, the 35B-A3B's 8192-wide MLP its
-# 905 MB bf16 checkpoint.
-PRESETS: dict[str, tuple[dict, dict, Optional[float], float]] = {
-    "qwen3.5-4b": (_qwen35(_qwen35_text(2560, 32, 9216, 16, 4, 32), tied=True),
-                   _z_lab_draft(2560, 9216, 32), 3.40, 7.7),
-    "qwen3.5-9b": (_qwen35(_qwen35_text(4096, 32, 12288, 16, 4, 32), tied=False),
-                   _z_lab_draft(4096, 12288, 32), 4.37, 7.5),
-    "qwen3.5-27b-4bit": (_qwen35(_qwen35_text(5120, 64, 17408, 24, 4, 48), tied=False, quant=Q4),
-                         _z_lab_draft(5120, 17408, 64), 2.37, 7.5),
-    "qwen3.5-35b-a3b-4bit": (_qwen35(_qwen35_text(2048, 40, 512, 16, 2, 32, **_MOE), tied=False,
-                                     moe=True, quant=Q4),
-                             _z_lab_draft(2048, 8192, 40), 1.76, 7.5),
-}

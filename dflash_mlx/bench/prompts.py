@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 CATEGORIES = ("math", "code", "chat", "summarize")
 
@@ -239,6 +239,8 @@ def load_prompts(path: str | Path, default_category: str = "custom") -> list[dic
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise DFlashError(f"cannot read prompt file '{path}': {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise DFlashError(f"prompt file '{path}' is not valid UTF-8") from None
     prompts, seen = [], set()
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -289,3 +291,17 @@ def select(prompts: list[dict], categories: list[str] | None = None, limit: int 
                 picked.append(queue.pop(0))
     order = {id(p): i for i, p in enumerate(prompts)}
     return sorted(picked, key=lambda p: order[id(p)])
+
+
+def select_prompts(source: str, categories: list[str] | None, limit: int | None) -> list[dict]:
+    """``--prompts``: 'builtin', 'demo' (the demo pair's held-out prompts) or a JSONL
+    file; then ``--category`` and ``--limit`` as in ``select``."""
+    if source == "builtin":
+        prompts = builtin_prompts()
+    elif source == "demo":
+        from ..demo import demo_pair
+
+        prompts = load_prompts(demo_pair().prompts, default_category="heldout")
+    else:
+        prompts = load_prompts(source)
+    return select(prompts, categories, limit)

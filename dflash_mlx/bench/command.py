@@ -1,0 +1,148 @@
+"""``dflash-mlx bench``: its options, checked before any model loads, then the
+measured run (``main_run``) or, with ``--predict``, the cost model
+(``bench.predict.main_predict``)."""
+
+import warnings
+from typing import Optional
+
+from .. import validate
+from ..chat import has_template, thinking_note
+from ..draft import DraftConfig
+from ..errors import DFlashError
+from ..registry import read_config, resolve_pair
+from .predict import main_predict
+from .prompts import select_prompts
+from .render import console, plot, render
+from .report import check_output_file, machine_info, make_report, validate_report, write_json
+from .runs import run_bench
+
+DTYPES = ("float32", "float16", "bfloat16")
+FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p",
+         "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed"}
+
+
+def parse_block_sizes(values: Optional[list[str]]) -> Optional[list[int]]:
+    """Repeated and/or comma-separated block sizes, in order, without duplicates."""
+    if not values:
+        return None
+    out = []
+    for v in values:
+        for part in str(v).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                b = int(part)
+            except ValueError:
+                raise DFlashError(f"--block-size takes integers, got '{part}'") from None
+            if b < 2:
+                raise DFlashError(f"--block-size must be at least 2, got {b}")
+            if b not in out:
+                out.append(b)
+    return out or None
+
+
+def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
+         block_size: Optional[list[str]], temp: float, top_p: float, top_k: int, min_p: float,
+         seed: int, repeat: int, limit: Optional[int], category: Optional[list[str]], dtype: str,
+         no_chat_template: bool, thinking: Optional[bool], warmup: bool, json_out: Optional[str],
+         plot_out: Optional[str], predict: bool, tau: Optional[float], results: Optional[str],
+         preset: Optional[str], chip: Optional[list[str]], context: int,
+         neural_accelerators: bool, overhead_ms: float) -> None:
+    """Everything ``dflash-mlx bench`` does, from its options as typed."""
+    sizes = parse_block_sizes(block_size)
+    if dtype not in ("auto", "keep", *DTYPES):
+        raise DFlashError(f"--dtype must be auto, keep, {', '.join(DTYPES)}; got '{dtype}'")
+    if json_out:
+        check_output_file(json_out, "--json")
+    if predict:
+        main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
+                     block_sizes=sizes, chips=chip, context=context,
+                     dtype=None if dtype in ("auto", "keep") else dtype,
+                     neural=neural_accelerators, overhead_ms=overhead_ms, json_out=json_out)
+        return
+    if tau is not None or results or preset:
+        raise DFlashError("--tau, --results and --preset only apply with --predict")
+    sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    validate.options({"max_tokens": max_tokens, **sampling}, FLAGS)
+    validate.integer(repeat, "--repeat", low=1)
+    if limit is not None:
+        validate.integer(limit, "--limit", low=1)
+    if plot_out:  # fail before a long run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
+        check_output_file(plot_out, "--plot")
+    main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, block_sizes=sizes,
+             sampling=sampling, repeat=repeat, limit=limit, categories=category, dtype=dtype,
+             chat_template=not no_chat_template, enable_thinking=thinking, warmup=warmup,
+             json_out=json_out, plot_out=plot_out)
+
+
+def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
+             block_sizes: Optional[list[int]], sampling: dict, repeat: int, limit: Optional[int],
+             categories: Optional[list[str]], dtype: str, chat_template: bool,
+             enable_thinking: Optional[bool], warmup: bool, json_out: Optional[str],
+             plot_out: Optional[str], err=None, out=None) -> dict:
+    """The measured benchmark: prompts and pair resolved and block sizes checked
+    against the draft's config before the models load; the tables, then the
+    JSON report and the chart. ``enable_thinking`` None takes the registry's."""
+    import mlx.core as mx
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    from ..loading import load, load_draft
+
+    err = err or console(stderr=True)
+    out = out or console()
+    chosen = select_prompts(prompts, categories, limit)
+    pair = resolve_pair(model, draft)
+    trained = DraftConfig.from_dict(read_config(pair.draft, "draft")).block_size
+    warn = lambda message: err.print(f"warning: {message}", markup=False, highlight=False)  # noqa: E731
+    block_sizes = ([validate.block_size(b, trained, "--block-size", warn) for b in block_sizes]
+                   if block_sizes else [trained])
+    thinking = pair.enable_thinking if enable_thinking is None else enable_thinking
+    target, tokenizer = load(pair.target)
+    dft = load_draft(pair.draft)
+    if dtype == "auto":
+        dtype = "float32" if mx.default_device() == mx.cpu else "keep"
+    if dtype != "keep":
+        target.set_dtype(getattr(mx, dtype))
+        dft.set_dtype(getattr(mx, dtype))
+    if chat_template and has_template(tokenizer):
+        err.print(thinking_note(thinking), markup=False, highlight=False)
+    steps = len(chosen) * repeat * (1 + len(block_sizes)) + (1 + len(block_sizes) if warmup else 0)
+    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=False) as progress, warnings.catch_warnings():
+        warnings.simplefilter("ignore", validate.UntrainedBlockWarning)  # warned above, once
+        task = progress.add_task("bench", total=steps)
+        started = [False]
+
+        def on_step(description: str) -> None:
+            if started[0]:
+                progress.advance(task)
+            started[0] = True
+            progress.update(task, description=description)
+
+        result = run_bench(target, dft, tokenizer, chosen, block_sizes=block_sizes,
+                           max_tokens=max_tokens, repeat=repeat, sampling=sampling,
+                           chat_template=chat_template, enable_thinking=thinking,
+                           warmup_tokens=16 if warmup else 0, on_step=on_step)
+        progress.advance(task)
+    config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,
+              "block_sizes": block_sizes, "repeat": repeat, **sampling,
+              "dtype": "checkpoint" if dtype == "keep" else dtype, "chat_template": chat_template,
+              "enable_thinking": thinking, "prompts": prompts, "categories": categories,
+              "limit": limit, "warmup": warmup, "draft_trained_block_size": trained}
+    report = make_report(result, config, machine_info())
+    validate_report(report)
+    render(report, out)
+    if json_out:
+        write_json(report, json_out)
+        err.print(f"wrote {json_out}")
+    if plot_out:
+        plot(report, plot_out)
+        err.print(f"wrote {plot_out}")
+    return report

@@ -1,0 +1,133 @@
+"""The bench report on a terminal (rich tables) and as a PNG chart."""
+
+from pathlib import Path
+
+from ..errors import DFlashError
+
+
+def console(stderr: bool = False):
+    """A rich console; wide when not a terminal, so piped tables do not wrap."""
+    from rich.console import Console
+
+    c = Console(stderr=stderr)
+    return c if c.is_terminal else Console(stderr=stderr, width=160)
+
+
+def _f(x, fmt="{:.1f}", none="-") -> str:
+    return none if x is None else fmt.format(x)
+
+
+def render(report: dict, console) -> None:
+    """The rich tables: one row per arm, speedup by category, acceptance per position, divergences."""
+    from rich.table import Table
+
+    cfg, summ = report["config"], report["summary"]
+    base = summ["baseline"]
+    t = Table(title=f"{cfg['model']} + {cfg['draft']}: {len(report['prompts'])} prompts x {cfg['repeat']} "
+                    f"repeat(s), {cfg['max_tokens']} tokens, temperature {cfg['temperature']:g}, {cfg['dtype']}")
+    for col in ("arm", "prefill tok/s", "decode tok/s", r"speedup median \[q1-q3] (min-max)", "total",
+                "tau", "tok/cycle", "accept", "peak GB", "wall s", "identical"):
+        t.add_column(col, justify="left" if col == "arm" else "right")
+    med = lambda s: s["median"] if s else None  # noqa: E731
+    t.add_row("mlx-lm (baseline)", _f(med(base["prefill_tps"])), _f(med(base["decode_tps"])), "1.00x", "",
+              "", "", "", _f(base["peak_memory_gb"] and base["peak_memory_gb"]["max"], "{:.2f}"),
+              _f(base["wall_s"]), "")
+    for b, side in summ["dflash"].items():
+        sp = side["speedup"]
+        spread = (f"{sp['median']:.2f}x \\[{sp['q1']:.2f}-{sp['q3']:.2f}] ({sp['min']:.2f}-{sp['max']:.2f})"
+                  if sp else "-")
+        ident = f"{side['identical']}/{side['compared']}" if side["identical"] is not None else "n/a"
+        t.add_row(f"DFlash b={b}", _f(med(side["prefill_tps"])), _f(med(side["decode_tps"])), spread,
+                  _f(side["speedup_total"], "{:.2f}x"), _f(side["tau"], "{:.2f}"),
+                  _f(side["tokens_per_cycle"], "{:.2f}"), _f(side["acceptance_rate"], "{:.0%}"),
+                  _f(side["peak_memory_gb"] and side["peak_memory_gb"]["max"], "{:.2f}"),
+                  _f(side["wall_s"]), ident)
+    console.print(t)
+    dist = base["distinct_token_ratio"]
+    if dist:
+        console.print(f"distinct-token ratio of the baseline's output: median {dist['median']:.2f} "
+                      f"(min {dist['min']:.2f}); a model stuck in a loop scores near 0")
+
+    cats = sorted({c for side in summ["dflash"].values() for c in side["by_category"]})
+    if cats:
+        t = Table(title="median speedup (tau) by prompt category")
+        t.add_column("category")
+        for b in summ["dflash"]:
+            t.add_column(f"b={b}", justify="right")
+        for c in cats:
+            cells = []
+            for side in summ["dflash"].values():
+                cat = side["by_category"].get(c)
+                cells.append(f"{cat['speedup']['median']:.2f}x ({cat['tau']:.2f})"
+                             if cat and cat["speedup"] and cat["tau"] else "-")
+            t.add_row(c, *cells)
+        console.print(t)
+
+    t = Table(title="acceptance: share of cycles whose draft position i was accepted, P(a >= i)")
+    t.add_column("block")
+    width = max(int(b) for b in summ["dflash"])
+    for i in range(1, width):
+        t.add_column(str(i), justify="right")
+    for b, side in summ["dflash"].items():
+        pa = side["position_acceptance"]
+        t.add_row(f"b={b}", *[f"{x:.2f}" for x in pa], *[""] * (width - 1 - len(pa)))
+    console.print(t)
+    for b, side in summ["dflash"].items():
+        hist = side["accepted_histogram"]
+        console.print(f"accepted drafts per cycle, b={b} (a = 0..{int(b) - 1}): {hist}")
+
+    for b, side in summ["dflash"].items():
+        for d in side["divergences"][:10]:
+            console.print(f"[red]b={b}: {d['prompt_id']} repeat {d['repeat']} diverges at token "
+                          f"{d['index']}: baseline {d['baseline']} vs DFlash {d['dflash']}[/red]")
+        extra = len(side["divergences"]) - 10
+        if extra > 0:
+            console.print(f"[red]b={b}: ... and {extra} more divergences (see the JSON)[/red]")
+    m = report["machine"]
+    blas = f", BLAS: {m['blas']}" if m.get("blas") else ""
+    console.print(f"machine: {m['platform']}, MLX {m['mlx']} ({m['backend']}){blas}")
+
+
+def plot(report: dict, path: str | Path) -> None:
+    """PNG: median speedup per category and block size (whiskers: min-max), and
+    the acceptance histogram of each block size."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
+    summ = report["summary"]["dflash"]
+    cats = sorted({c for side in summ.values() for c in side["by_category"]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(summ), 1)
+    for j, (b, side) in enumerate(summ.items()):
+        med, lo, hi = [], [], []
+        for c in cats:
+            s = side["by_category"].get(c, {}).get("speedup")
+            med.append(s["median"] if s else 0)
+            lo.append(s["median"] - s["min"] if s else 0)
+            hi.append(s["max"] - s["median"] if s else 0)
+        xs = [i + (j - (len(summ) - 1) / 2) * width for i in range(len(cats))]
+        ax1.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=f"b={b}")
+        hist = side["accepted_histogram"]
+        total = sum(hist) or 1
+        ax2.bar([a + (j - (len(summ) - 1) / 2) * width for a in range(len(hist))],
+                [h / total for h in hist], width, label=f"b={b} (tau {side['tau'] or 0:.2f})")
+    ax1.axhline(1.0, color="gray", lw=1, ls="--")
+    ax1.set_xticks(range(len(cats)), cats)
+    ax1.set_ylabel("decode speedup over mlx-lm (median, min-max)")
+    ax1.set_title("speedup by prompt category")
+    ax1.legend()
+    ax2.set_xlabel("draft tokens accepted per cycle")
+    ax2.set_ylabel("share of cycles")
+    ax2.set_title("acceptance histogram")
+    ax2.legend()
+    cfg = report["config"]
+    fig.suptitle(f"dflash-mlx bench: {Path(cfg['model']).name} + {Path(cfg['draft']).name}, "
+                 f"{cfg['max_tokens']} tokens, {cfg['dtype']}, {report['machine']['backend']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+

@@ -1,0 +1,154 @@
+"""Timed runs: mlx-lm's baseline and DFlash on the same loaded target, each
+timed from outside its generator, and the whole schedule of them."""
+
+import time
+from typing import Callable, Iterable, Optional
+
+from .. import validate
+from ..chat import encode, template_ids
+from ..errors import DFlashError
+from .schedule import BASELINE, DFLASH, Step, schedule
+from .summary import make_pairs, summarize
+
+
+def _timed(responses: Iterable) -> tuple[list, float, float]:
+    """Drain a generator; (responses, seconds to the first one, seconds to the last)."""
+    out, first = [], None
+    tic = time.perf_counter()
+    for r in responses:
+        if first is None:
+            first = time.perf_counter() - tic
+        out.append(r)
+    total = time.perf_counter() - tic
+    return out, (total if first is None else first), total
+
+
+def _record(prompt_tokens: int, tokens: list[int], finish: Optional[str], first_s: float,
+            total_s: float, last) -> dict:
+    import mlx.core as mx
+
+    decode_s = total_s - first_s
+    generated = len(tokens)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "tokens": tokens,
+        "generated": generated,
+        "finish_reason": finish,
+        "prefill_s": first_s,
+        "decode_s": decode_s,
+        "wall_s": total_s,
+        "prefill_tps": prompt_tokens / first_s if first_s > 0 else None,
+        # tokens after the first over the time after it: the same clock for both sides
+        "decode_tps": (generated - 1) / decode_s if generated > 1 and decode_s > 0 else None,
+        "reported_prompt_tps": getattr(last, "prompt_tps", None),
+        "reported_generation_tps": getattr(last, "generation_tps", None),
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,
+        # a degenerate model repeats a few tokens: near 0 for a loop of one token
+        "distinct_token_ratio": len(set(tokens)) / generated if generated else None,
+    }
+
+
+def _fresh() -> None:
+    """Before a run: let work the last run queued but never waited for (both
+    generators queue their next step ahead) finish off the clock, free the
+    allocator cache and reset the peak memory counter."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+
+
+def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: dict) -> dict:
+    """mlx-lm's ``stream_generate`` on the target alone."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate as mlx_lm_stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(sampling["temperature"], sampling["top_p"], sampling["min_p"],
+                           top_k=sampling["top_k"])
+    if sampling.get("seed") is not None:
+        mx.random.seed(sampling["seed"])
+    _fresh()
+    responses, first, total = _timed(
+        mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler))
+    # the last response carries the EOS token itself when generation stopped on it
+    tokens = [r.token for r in responses if r.finish_reason != "stop"]
+    last = responses[-1] if responses else None
+    return _record(len(ids), tokens, last.finish_reason if last else None, first, total, last)
+
+
+def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_size: int,
+               sampling: dict) -> dict:
+    """DFlash ``stream_generate``; adds the per-cycle accepted draft counts."""
+    from ..generate import stream_generate
+
+    _fresh()
+    responses, first, total = _timed(stream_generate(
+        model, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens,
+        temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
+        min_p=sampling["min_p"], seed=sampling.get("seed")))
+    tokens = [t for r in responses for t in r.tokens]
+    last = responses[-1] if responses else None
+    rec = _record(len(ids), tokens, last.finish_reason if last else None, first, total, last)
+    accepted = [r.accepted for r in responses[1:]]  # the first response is the prefill token
+    rec.update(cycles=len(accepted), accepted=accepted)
+    return rec
+
+
+def run_bench(
+    model, draft, tokenizer, prompts: list[dict], *, block_sizes: list[int], max_tokens: int,
+    repeat: int = 1, sampling: Optional[dict] = None, chat_template: bool = True,
+    enable_thinking: Optional[bool] = None, warmup_tokens: int = 16,
+    on_step: Optional[Callable[[str], None]] = None, runners: Optional[dict] = None,
+) -> dict:
+    """Run the schedule; returns prompts, runs, pairs and the summary.
+
+    Prompts go through the chat template (``enable_thinking`` as in
+    ``dflash_mlx.chat.apply_template``) unless ``chat_template`` is False.
+    ``on_step(description)`` is called before every run (warm-up included) for a
+    progress display. ``runners`` replaces ``{"baseline": run_baseline, "dflash":
+    run_dflash}`` (tests give the baseline another target, for instance).
+    """
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0, **(sampling or {})}
+    runners = {BASELINE: run_baseline, DFLASH: run_dflash, **(runners or {})}
+    if not prompts:
+        raise DFlashError("no prompts to run")
+    if not block_sizes:
+        raise DFlashError("no block sizes to run")
+    validate.options({"max_tokens": max_tokens})
+    validate.integer(repeat, "repeat", low=1)
+    for b in block_sizes:
+        validate.integer(b, "block size", low=2)
+    encoded = [template_ids(tokenizer, p["prompt"], enable_thinking=enable_thinking) if chat_template
+               else encode(tokenizer, p["prompt"]) for p in prompts]
+
+    def call(step: Step, tokens: int) -> dict:
+        ids = encoded[step.prompt]
+        if step.arm == BASELINE:
+            return runners[BASELINE](model, tokenizer, ids, tokens, sampling)
+        return runners[DFLASH](model, draft, tokenizer, ids, tokens, step.block_size, sampling)
+
+    if warmup_tokens > 0:  # untimed: weights paged in, kernels and buffers allocated
+        for step in schedule(1, 1, block_sizes):
+            if on_step:
+                on_step(f"warm-up {step.label}")
+            call(step, min(warmup_tokens, max_tokens))
+    runs = []
+    for i, step in enumerate(schedule(len(prompts), repeat, block_sizes)):
+        p = prompts[step.prompt]
+        if on_step:
+            on_step(f"{p['id']} r{step.repeat} {step.label}")
+        rec = call(step, max_tokens)
+        runs.append({"step": i, "prompt_id": p["id"], "category": p["category"],
+                     "repeat": step.repeat, "arm": step.arm, "block_size": step.block_size, **rec})
+    pairs = make_pairs(runs, compare=sampling["temperature"] == 0)
+    return {
+        "prompts": [{**p, "prompt_tokens": len(ids)} for p, ids in zip(prompts, encoded)],
+        "runs": runs,
+        "pairs": pairs,
+        "summary": summarize(runs, pairs, block_sizes),
+    }
+

@@ -1,0 +1,132 @@
+"""Statistics of a benchmark from its raw runs: pairs of a DFlash run and the
+baseline run next to it, speedup, acceptance and greedy identity."""
+
+import math
+import statistics
+from typing import Iterable, Optional
+
+from .schedule import BASELINE, DFLASH
+
+
+def compare_tokens(baseline: list[int], dflash: list[int]) -> dict:
+    """Greedy identity of two token lists: ``identical`` and the ``first_divergence``
+    (index and each side's token there, None where that side has ended)."""
+    n = min(len(baseline), len(dflash))
+    index = next((i for i in range(n) if baseline[i] != dflash[i]), None)
+    if index is None and len(baseline) != len(dflash):
+        index = n
+    if index is None:
+        return {"identical": True, "first_divergence": None}
+    at = lambda seq: seq[index] if index < len(seq) else None  # noqa: E731
+    return {"identical": False, "first_divergence": {
+        "index": index, "baseline": at(baseline), "dflash": at(dflash),
+        "baseline_tokens": len(baseline), "dflash_tokens": len(dflash)}}
+
+
+def stats(values: Iterable[Optional[float]]) -> Optional[dict]:
+    """n, median, mean, geometric mean, min, max and quartiles of the non-None values."""
+    xs = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not xs:
+        return None
+    q1, q3 = (statistics.quantiles(xs, n=4, method="inclusive")[::2] if len(xs) > 1 else (xs[0], xs[0]))
+    positive = all(x > 0 for x in xs)
+    return {"n": len(xs), "median": statistics.median(xs), "mean": statistics.fmean(xs),
+            "geomean": statistics.geometric_mean(xs) if positive else None,
+            "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3}
+
+
+def acceptance(runs: list[dict], block_size: int) -> dict:
+    """tau, per-position acceptance and tokens per cycle over DFlash runs of one block size.
+
+    tau is the mean of accepted + 1 over cycles; ``accepted_histogram[a]`` counts
+    cycles with a drafts accepted (0..b-1); ``position_acceptance[i-1]`` is the
+    share of cycles whose draft position i was accepted, P(a >= i); tokens per
+    cycle is the decode tokens (after the prefill token) over cycles, i.e. what
+    was emitted once the end (EOS or max_tokens) cut the last cycle short.
+    """
+    accepted = [a for r in runs for a in r["accepted"]]
+    cycles = len(accepted)
+    hist = [0] * block_size
+    for a in accepted:
+        hist[a] += 1
+    decode_tokens = sum(max(r["generated"] - 1, 0) for r in runs)
+    at_least = [sum(hist[i:]) for i in range(1, block_size)]
+    return {
+        "cycles": cycles,
+        "tau": (sum(accepted) + cycles) / cycles if cycles else None,
+        "acceptance_rate": sum(accepted) / (cycles * (block_size - 1)) if cycles else None,
+        "tokens_per_cycle": decode_tokens / cycles if cycles else None,
+        "accepted_histogram": hist,
+        "position_acceptance": [n / cycles for n in at_least] if cycles else [],
+    }
+
+
+def make_pairs(runs: list[dict], compare: bool) -> list[dict]:
+    """Each DFlash run with the baseline run of the same prompt and repeat."""
+    base = {(r["prompt_id"], r["repeat"]): r for r in runs if r["arm"] == BASELINE}
+    pairs = []
+    for r in runs:
+        if r["arm"] != DFLASH:
+            continue
+        b = base.get((r["prompt_id"], r["repeat"]))
+        if b is None:
+            continue
+        pair = {
+            "prompt_id": r["prompt_id"], "category": r["category"], "repeat": r["repeat"],
+            "block_size": r["block_size"], "baseline_step": b["step"], "dflash_step": r["step"],
+            "speedup": (r["decode_tps"] / b["decode_tps"]
+                        if r["decode_tps"] and b["decode_tps"] else None),
+            "wall_speedup": b["wall_s"] / r["wall_s"] if r["wall_s"] > 0 else None,
+            "tau": (sum(r["accepted"]) + r["cycles"]) / r["cycles"] if r["cycles"] else None,
+        }
+        if compare:
+            pair.update(compare_tokens(b["tokens"], r["tokens"]))
+        else:
+            pair.update(identical=None, first_divergence=None)
+        pairs.append(pair)
+    return pairs
+
+
+def _side(runs: list[dict]) -> dict:
+    return {
+        "runs": len(runs),
+        "prefill_tps": stats(r["prefill_tps"] for r in runs),
+        "decode_tps": stats(r["decode_tps"] for r in runs),
+        "peak_memory_gb": stats(r["peak_memory_gb"] for r in runs),
+        "wall_s": sum(r["wall_s"] for r in runs),
+        "decode_s": sum(r["decode_s"] for r in runs),
+        "decode_tokens": sum(max(r["generated"] - 1, 0) for r in runs),
+        "distinct_token_ratio": stats(r.get("distinct_token_ratio") for r in runs),
+    }
+
+
+def summarize(runs: list[dict], pairs: list[dict], block_sizes: list[int]) -> dict:
+    """The summary block of the report, from the raw runs and pairs alone."""
+    baseline = [r for r in runs if r["arm"] == BASELINE]
+    out = {"baseline": _side(baseline), "dflash": {}}
+    for b in block_sizes:
+        mine = [r for r in runs if r["arm"] == DFLASH and r["block_size"] == b]
+        ps = [p for p in pairs if p["block_size"] == b]
+        side = _side(mine)
+        side.update(acceptance(mine, b))
+        side["speedup"] = stats(p["speedup"] for p in ps)
+        side["wall_speedup"] = stats(p["wall_speedup"] for p in ps)
+        # total decode tokens over total decode time, each side: the aggregate ratio
+        base = out["baseline"]
+        side["speedup_total"] = (
+            (side["decode_tokens"] / side["decode_s"]) / (base["decode_tokens"] / base["decode_s"])
+            if side["decode_s"] > 0 and base["decode_s"] > 0 and base["decode_tokens"] else None)
+        categories = sorted({p["category"] for p in ps})
+        side["by_category"] = {
+            c: {"speedup": stats(p["speedup"] for p in ps if p["category"] == c),
+                "tau": acceptance([r for r in mine if r["category"] == c], b)["tau"]}
+            for c in categories}
+        compared = [p for p in ps if p["identical"] is not None]
+        side["compared"] = len(compared)
+        side["identical"] = sum(p["identical"] for p in compared) if compared else None
+        side["divergences"] = [
+            {"prompt_id": p["prompt_id"], "repeat": p["repeat"], **p["first_divergence"]}
+            for p in compared if not p["identical"]]
+        out["dflash"][str(b)] = side
+    return out
+
