@@ -7,12 +7,13 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.utils import save_config
 
+from dflash_mlx.atomic import check_output, staged_output
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.loading import DRAFT_FILES, resolve
 
 from .checkpoint import expected_shapes, open_tensors, read_config, validate
 from .quant import RECIPES, plan, quantization_block, quantize_weight
-from .writer import SHARD_BYTES, check_free, staged_output, write_shards
+from .writer import SHARD_BYTES, write_shards
 
 DTYPES = ("float16", "bfloat16", "float32")
 BITS = (4, 8)
@@ -60,10 +61,8 @@ def convert_draft(
     if recipe is not None:
         bits = 4
     out = Path(out).expanduser()
-    check_free(out, force)
+    check_output(out, force)
     path = resolve(str(src), "draft", DRAFT_FILES)
-    if out.resolve() == path.resolve() or out.resolve() in path.resolve().parents:
-        raise DFlashError(f"output '{out}' would replace the source draft '{path}'; choose another --out")
     config = read_config(path)
     tensors = open_tensors(path)
     validate(config, tensors)
@@ -87,6 +86,9 @@ def convert_draft(
             weight = tensors.pop(name)
             if cast is not None:
                 weight = weight.astype(cast)
+            bad = mx.logical_not(mx.isfinite(weight)).sum().item()
+            if bad:
+                log(f"warning: tensor '{name}' holds {bad} NaN or infinite values of {weight.size}")
             module = name.removesuffix(".weight")
             params = modules.get(module)
             if params is None:
@@ -97,7 +99,7 @@ def convert_draft(
     what = f"{bits}-bit" + (f" ({recipe})" if recipe else "") if bits else (dtype or "unquantized")
     log(f"converting {path} -> {out} ({what})")
     try:
-        with staged_output(out, force) as staged:
+        with staged_output(out, force, [path], log) as staged:
             write_shards(groups(), staged, shard_bytes, log)
             save_config(config.to_dict(), staged / "config.json")
     except (OSError, RuntimeError) as e:  # disk full, unreadable source, ...

@@ -5,10 +5,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from dflash_mlx.atomic import check_output, staged_output
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.loading import resolve
-
-from .writer import check_free, staged_output
 
 
 def convert_target(
@@ -36,9 +35,9 @@ def convert_target(
             f"unknown target recipe '{recipe}'; mlx-lm offers {', '.join(QUANT_RECIPES)}"
         )
     out = Path(out).expanduser()
-    check_free(out, force)
+    check_output(out, force)
     path = resolve(str(src), "target", DEFAULT_ALLOW_PATTERNS)
-    with staged_output(out, force) as staged:
+    with staged_output(out, force, [path]) as staged:
         try:
             with contextlib.redirect_stdout(sys.stderr):
                 convert(

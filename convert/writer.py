@@ -1,54 +1,14 @@
-"""Safe output: a staging directory next to the destination, renamed into place
-only on success, and safetensors shards written one at a time."""
+"""Safetensors shards written one at a time, into a directory that
+``dflash_mlx.atomic.staged_output`` renames into place only on success."""
 
 import json
 import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import mlx.core as mx
 
-from dflash_mlx.errors import DFlashError
-
 SHARD_BYTES = 1 << 30
-
-
-def check_free(out: Path, force: bool) -> None:
-    """An existing ``out`` may only be replaced with ``force``."""
-    if (out.exists() or out.is_symlink()) and not force:
-        raise DFlashError(f"output '{out}' already exists; pass --force to replace it")
-
-
-@contextmanager
-def staged_output(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a not-yet-existing path to write; it becomes ``out`` only if the block succeeds.
-
-    On any exception, Ctrl-C included, the staging directory is removed and
-    ``out`` is left as it was.
-    """
-    out = Path(out).expanduser()
-    check_free(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
-        yield staging / out.name
-        _swap_in(staging / out.name, out, staging / "replaced")
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _swap_in(new: Path, out: Path, aside: Path) -> None:
-    if out.exists() or out.is_symlink():
-        os.rename(out, aside)
-    try:
-        os.rename(new, out)
-    except BaseException:
-        if aside.exists() or aside.is_symlink():
-            os.rename(aside, out)
-        raise
 
 
 def write_shards(

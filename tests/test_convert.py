@@ -291,16 +291,21 @@ def test_group_size_dividing_no_module(tmp_path):
 
 
 @pytest.mark.parametrize("what", ["draft", "target"])
-def test_existing_output_needs_force(models, tmp_path, what):
+def test_existing_output_needs_force_and_must_be_ours(models, tmp_path, what):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     src = ["--target", models / "target"] if what == "target" else [models / "draft"]
-    code, _, stderr = run_cli(*src, "--out", out, "-q", "--q-group-size", GROUP)
+    args = [*src, "--out", out, "-q", "--q-group-size", GROUP]
+    code, _, stderr = run_cli(*args)
     assert_one_error(code, stderr, "already exists", "--force")
+    code, _, stderr = run_cli(*args, "--force")
+    assert_one_error(code, stderr, "not a dflash-mlx output")
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
-    code, _, stderr = run_cli(*src, "--out", out, "-q", "--q-group-size", GROUP, "--force")
+    shutil.rmtree(out)
+    assert run_cli(*args)[0] == 0
+    (out / "keep.txt").write_text("stale")
+    code, _, stderr = run_cli(*args, "--force")  # our own earlier output
     assert code == 0, stderr
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
