@@ -266,7 +266,7 @@ def train(
     """Train a DFlash draft for a target (block-diffusion objective, frozen target)."""
     options = dict(locals())
     try:
-        from .train import run_cli
+        from .train.command import run_cli
 
         run_cli(**options)
     except DFlashError as e:

@@ -35,7 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from dflash_mlx.train_loop import OptimConfig, fit
+from dflash_mlx.atomic import staged_output
+from dflash_mlx.train import OptimConfig, fit
 
 VOCAB_SIZE = 4096
 SPECIALS = ["<|endoftext|>", "<|mask|>"]  # ids 0 (EOS, document separator) and 1 (DFlash mask)
@@ -144,22 +145,19 @@ def stage_tokenizer(work: Path) -> Path:
     )
     tok.train_from_iterator((read(p) for p in train_files), trainer=trainer)
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
-    tmp = out.with_name("tokenizer.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tok.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "bos_token": None,
-        "mask_token": "<|mask|>",
-        "add_bos_token": False,
-        "model_max_length": 4096,
-    }, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with staged_output(out, force=True) as tmp:
+        tmp.mkdir()
+        tok.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "bos_token": None,
+            "mask_token": "<|mask|>",
+            "add_bos_token": False,
+            "model_max_length": 4096,
+        }, indent=2))
     print(f"tokenizer: {VOCAB_SIZE} ids from {len(train_files)} files", file=sys.stderr)
     return out
 
@@ -185,14 +183,11 @@ def stage_data(work: Path) -> Path:
     for _, text in train:
         ids.extend(tok.encode(text).ids)
         ids.append(0)
-    tmp = out.with_name("data.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    np.save(tmp / "train_tokens.npy", np.array(ids, dtype=np.int32))
-    (tmp / "heldout.json").write_text(json.dumps([{"path": r, "text": t} for r, t in held]))
-    (tmp / "train_files.json").write_text(json.dumps([r for r, _ in train]))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with staged_output(out, force=True) as tmp:
+        tmp.mkdir()
+        np.save(tmp / "train_tokens.npy", np.array(ids, dtype=np.int32))
+        (tmp / "heldout.json").write_text(json.dumps([{"path": r, "text": t} for r, t in held]))
+        (tmp / "train_files.json").write_text(json.dumps([r for r, _ in train]))
     print(f"data: {len(ids):,} train tokens from {len(train)} files; {len(held)} held out",
           file=sys.stderr)
     return out
@@ -224,7 +219,8 @@ def stage_target(work: Path, steps=None, stop_after=None, from_scratch=False) ->
     if (final / "config.json").is_file():
         return final
     if not from_scratch and (INSTALLED / "target" / "config.json").is_file():
-        shutil.copytree(INSTALLED / "target", final)
+        with staged_output(final, force=True) as tmp:
+            shutil.copytree(INSTALLED / "target", tmp)
         print(f"target: using the installed {INSTALLED / 'target'}", file=sys.stderr)
         return final
     stream = np.load(work / "data" / "train_tokens.npy")
@@ -253,14 +249,11 @@ def save_target(model, path: Path, work: Path) -> None:
     from mlx_lm.utils import save_config, save_model
 
     model.eval()
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(tmp, model)
-    save_config(json.loads(json.dumps(TARGET_CONFIG)), tmp / "config.json")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(work / "tokenizer" / name, tmp / name)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    with staged_output(path, force=True) as tmp:
+        save_model(tmp, model)
+        save_config(json.loads(json.dumps(TARGET_CONFIG)), tmp / "config.json")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(work / "tokenizer" / name, tmp / name)
 
 
 # ----------------------------------------------------------------------------

@@ -14,16 +14,12 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, Target, generate, load_draft
 from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.train import (
-    DraftObjective,
-    DraftTrainConfig,
-    draft_config_for,
-    draft_train_forward,
-    sample_anchors,
-    train_draft,
-)
-from dflash_mlx.train_data import SequenceData, StreamData, read_records
-from dflash_mlx.train_loop import OptimConfig, fit, list_checkpoints, lr_schedule
+from dflash_mlx.train.command import train_draft
+from dflash_mlx.train.config import DraftTrainConfig, draft_config_for
+from dflash_mlx.train.data import SequenceData, StreamData, corpus_stream
+from dflash_mlx.train.loop import OptimConfig, fit, list_checkpoints, lr_schedule
+from dflash_mlx.train.objective import DraftObjective, draft_train_forward, sample_anchors
+from dflash_mlx.train.records import read_records
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +94,6 @@ def _objective(hybrid, corpus, **over):
     target = Target(model)
     cfg = DraftTrainConfig(**{**TINY, **over})
     config = draft_config_for(target, cfg, target.vocab_size - 1)
-    from dflash_mlx.train_data import corpus_stream
-
     stream = corpus_stream(tokenizer, read_records([str(corpus[0])]), 2)
     return target, config, DraftObjective(target, config, cfg, StreamData(stream), seed=0)
 

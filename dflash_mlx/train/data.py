@@ -5,127 +5,18 @@ Both kinds are sampled by a pure function of a NumPy generator, so a training
 step's batch depends only on (seed, step, micro-batch) and resuming is exact.
 """
 
-import json
-from dataclasses import dataclass
+import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .errors import DFlashError
-
-TEXT_SUFFIXES_SKIPPED = {".npy", ".npz", ".safetensors", ".bin", ".gz", ".zip", ".pyc"}
-
-
-@dataclass
-class Record:
-    """One corpus entry: plain text, or a prompt with an optional completion."""
-
-    text: Optional[str] = None
-    prompt: Optional[str] = None
-    completion: Optional[str] = None
-    messages: Optional[list] = None
-
-
-def _files(paths: Sequence[str]) -> list[Path]:
-    out = []
-    for raw in paths:
-        p = Path(raw).expanduser()
-        if p.is_dir():
-            out += sorted(
-                f for f in p.rglob("*")
-                if f.is_file() and f.suffix not in TEXT_SUFFIXES_SKIPPED and not f.name.startswith(".")
-            )
-        elif p.is_file():
-            out.append(p)
-        else:
-            raise DFlashError(f"training data '{raw}' does not exist")
-    if not out:
-        raise DFlashError("no training data files found in " + ", ".join(map(str, paths)))
-    return out
-
-
-def _jsonl_record(obj, where: str) -> Record:
-    if isinstance(obj, str):
-        return Record(text=obj)
-    if not isinstance(obj, dict):
-        raise DFlashError(f"{where}: expected a JSON object or string")
-    if "messages" in obj:
-        return Record(messages=list(obj["messages"]))
-    if "prompt" in obj:
-        completion = obj.get("completion", obj.get("response"))
-        return Record(prompt=str(obj["prompt"]), completion=None if completion is None else str(completion))
-    if "text" in obj:
-        return Record(text=str(obj["text"]))
-    raise DFlashError(f"{where}: a record needs 'text', 'prompt' or 'messages'")
-
-
-def read_records(paths: Sequence[str]) -> list[Record]:
-    """Files and directories (recursively, sorted): ``.jsonl`` lines are records
-    (``text``, ``prompt``/``completion``, or chat ``messages``); any other file
-    is one text document."""
-    records = []
-    for f in _files(paths):
-        if f.suffix == ".jsonl":
-            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DFlashError(f"{f}:{n}: invalid JSON ({e.msg})") from None
-                records.append(_jsonl_record(obj, f"{f}:{n}"))
-        else:
-            text = f.read_text(encoding="utf-8", errors="replace")
-            if text.strip():
-                records.append(Record(text=text))
-    if not records:
-        raise DFlashError("the training data holds no text")
-    return records
-
-
-def _chat(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
-        text = "\n".join(str(m.get("content", "")) for m in messages)
-        return tokenizer.encode(text)
-    return list(tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
-    ))
-
-
-def record_ids(tokenizer, record: Record) -> tuple[list[int], int]:
-    """(token ids, prompt length) of a record; plain text has a prompt length of 1."""
-    if record.messages is not None:
-        msgs = record.messages
-        if msgs and msgs[-1].get("role") == "assistant":
-            prompt = _chat(tokenizer, msgs[:-1], True)
-            full = _chat(tokenizer, msgs, False)
-            return full, len(prompt)
-        return _chat(tokenizer, msgs, True), None
-    if record.prompt is not None:
-        prompt = tokenizer.encode(record.prompt)
-        if record.completion is None:
-            return prompt, None
-        full = tokenizer.encode(record.prompt + record.completion)
-        return full, len(prompt)
-    return tokenizer.encode(record.text), 1
-
-
-def prompt_ids(tokenizer, record: Record) -> Optional[list[int]]:
-    """Prompt ids of a prompt-like record (None for plain text)."""
-    if record.messages is not None:
-        msgs = record.messages
-        if msgs and msgs[-1].get("role") == "assistant":
-            msgs = msgs[:-1]
-        return _chat(tokenizer, msgs, True)
-    if record.prompt is not None:
-        return tokenizer.encode(record.prompt)
-    return None
-
-
-# ----------------------------------------------------------------------------
-# datasets
+from ..errors import DFlashError
+from ..target import Target
+from .config import DraftTrainConfig
+from .progress import log
+from .records import Record, prompt_ids, read_records, record_ids
 
 
 class Dataset:
@@ -290,3 +181,93 @@ def greedy_continuations(
             if progress is not None:
                 progress(done, len(prompts))
     return out
+
+
+# ----------------------------------------------------------------------------
+# preparation
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids:
+        return sorted(ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if eos is not None else []
+
+
+def _held_out_tokens(n: int, cfg: DraftTrainConfig) -> int:
+    """Tokens kept off the end of a corpus for eval prompts (about 2%)."""
+    if cfg.eval_prompts <= 0:
+        return 0
+    return min(max(n // 50, 4 * max(cfg.prompt_lengths)), n // 5)
+
+
+def _split_stream(tokenizer, records, cfg: DraftTrainConfig, rng, pad: int, eval_prompts):
+    """(training stream, eval prompts): unless eval prompts are given, they are cut
+    from a held-out tail of the corpus stream."""
+    stream = corpus_stream(tokenizer, records, pad)
+    n_eval = _held_out_tokens(len(stream), cfg) if not eval_prompts else 0
+    if n_eval:
+        held = stream[len(stream) - n_eval :]
+        eval_prompts = stream_prompts(held, cfg.eval_prompts, cfg.prompt_lengths, rng, pad)
+    return stream[: len(stream) - n_eval], eval_prompts
+
+
+def prepare_data(
+    target: Target, tokenizer, data_paths: Sequence[str], cfg: DraftTrainConfig,
+    out_dir: Path, seed: int, eval_prompt_paths: Optional[Sequence[str]] = None,
+    reuse_cache: bool = True,
+) -> tuple[object, list[list[int]]]:
+    """(training dataset, held-out eval prompts). Self-distilled data is cached in
+    ``out_dir/distill.npz`` so a resumed run reuses it (``reuse_cache``)."""
+    eos = _eos_ids(tokenizer)
+    pad = eos[0] if eos else 0
+    records = read_records(data_paths)
+    rng = np.random.default_rng([seed, 7919])
+    eval_prompts: list[list[int]] = []
+    if eval_prompt_paths:
+        eval_prompts = [
+            prompt_ids(tokenizer, r) or tokenizer.encode(r.text)
+            for r in read_records(eval_prompt_paths)
+        ][: max(cfg.eval_prompts, 0)]
+    prompt_records = [r for r in records if prompt_ids(tokenizer, r) is not None]
+
+    if not cfg.self_distill:
+        train_stream, eval_prompts = _split_stream(tokenizer, records, cfg, rng, pad, eval_prompts)
+        return StreamData(train_stream), eval_prompts
+
+    # self-distillation: prompts -> the target's greedy continuations
+    if prompt_records:
+        prompts = [prompt_ids(tokenizer, r) for r in prompt_records]
+        order = rng.permutation(len(prompts))
+        prompts = [prompts[i] for i in order]
+        if not eval_prompts and cfg.eval_prompts > 0:
+            k = min(cfg.eval_prompts, max(len(prompts) // 10, 1))
+            eval_prompts, prompts = prompts[:k], prompts[k:]
+        prompts = prompts[: cfg.num_prompts]
+    else:
+        train_stream, eval_prompts = _split_stream(tokenizer, records, cfg, rng, pad, eval_prompts)
+        prompts = stream_prompts(train_stream, cfg.num_prompts, cfg.prompt_lengths, rng, pad)
+    if not prompts:
+        raise DFlashError("no training prompts left for self-distillation")
+    cache = Path(out_dir) / "distill.npz"
+    if reuse_cache and cache.is_file():
+        data = SequenceData.load(cache, pad)
+        if len(data) == len(prompts):
+            log(f"reusing {len(data)} self-distilled sequences from {cache}")
+            return data, eval_prompts
+    log(f"self-distillation: {len(prompts)} prompts x {cfg.distill_tokens} greedy target tokens")
+    t0 = time.perf_counter()
+
+    def progress(done, total):
+        rate = done / max(time.perf_counter() - t0, 1e-9)
+        log(f"  distilled {done}/{total} prompts ({rate:.1f}/s)")
+
+    conts = greedy_continuations(
+        target.model, prompts, cfg.distill_tokens, eos, cfg.distill_batch, progress
+    )
+    data = SequenceData([np.array(p + c, np.int32) for p, c in zip(prompts, conts)],
+                        [len(p) for p in prompts], pad)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    data.save(cache)
+    return data, eval_prompts

@@ -14,10 +14,9 @@ never stopped (on the same machine and library versions).
 """
 
 import json
-import os
+import math
 import shutil
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -27,7 +26,9 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from .errors import DFlashError
+from ..atomic import staged_output
+from ..errors import DFlashError
+from .progress import Progress
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -85,12 +86,10 @@ def make_optimizer(cfg: OptimConfig) -> optim.Optimizer:
 # checkpoints
 
 
-def _atomic_dir(final: Path) -> Path:
-    tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
+def all_finite(params) -> bool:
+    """True if no array in the parameter tree holds NaN or infinity."""
+    arrays = [v for _, v in tree_flatten(params)]
+    return all(mx.isfinite(v).all().item() for v in arrays)
 
 
 def list_checkpoints(out_dir: Path) -> list[Path]:
@@ -112,17 +111,24 @@ def save_checkpoint(
     out_dir: Path, model: nn.Module, optimizer: optim.Optimizer, step: int,
     extra: dict, keep: int = 2,
 ) -> Path:
-    """Write trainable parameters, optimizer state and ``extra`` (JSON) atomically."""
+    """Write trainable parameters, optimizer state and ``extra`` (JSON) atomically,
+    then drop all but the newest ``keep`` checkpoints.
+
+    Non-finite parameters are refused: the checkpoints already there stay.
+    """
     final = Path(out_dir) / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:08d}"
-    tmp = _atomic_dir(final)
     params = dict(tree_flatten(model.trainable_parameters()))
-    mx.save_safetensors(str(tmp / "model.safetensors"), params)
-    opt_state = dict(tree_flatten(optimizer.state))
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
-    (tmp / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if not all_finite(params):
+        raise DFlashError(
+            f"the weights became NaN or infinite at step {step}: training diverged; stopped "
+            f"without saving, the checkpoints in '{final.parent}' are kept (lower the learning rate)"
+        )
+    with staged_output(final, force=True) as tmp:
+        tmp.mkdir()
+        mx.save_safetensors(str(tmp / "model.safetensors"), params)
+        opt_state = dict(tree_flatten(optimizer.state))
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), opt_state)
+        (tmp / "state.json").write_text(json.dumps({"step": step, **extra}, indent=2))
     for old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -141,55 +147,6 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: optim.Optimizer) ->
     optimizer.state = tree_unflatten(list(opt_state.items()))
     mx.eval(model.parameters(), optimizer.state)
     return state
-
-
-# ----------------------------------------------------------------------------
-# progress
-
-
-def _fmt_time(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-class Progress:
-    """A one-line progress bar on stderr (a plain line per update when not a tty)."""
-
-    def __init__(self, total: int, start: int = 0, stream=None, every: int = 10):
-        self.total, self.start, self.every = total, start, max(every, 1)
-        self.stream = stream or sys.stderr
-        self.tty = getattr(self.stream, "isatty", lambda: False)()
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-        self.losses: list[float] = []
-
-    def update(self, step: int, loss: float, tokens: int, lr: float) -> None:
-        self.tokens += tokens
-        self.losses.append(loss)
-        if step % self.every and step != self.total:
-            return
-        elapsed = time.perf_counter() - self.t0
-        done = step - self.start
-        tps = self.tokens / elapsed if elapsed > 0 else 0.0
-        eta = elapsed / done * (self.total - step) if done else 0.0
-        width = 24
-        filled = int(width * step / self.total)
-        bar = "#" * filled + "-" * (width - filled)
-        mean = sum(self.losses) / len(self.losses)
-        self.losses = []
-        line = (
-            f"[{bar}] step {step}/{self.total}  loss {mean:.4f}  lr {lr:.2e}  "
-            f"{tps:,.0f} tok/s  {_fmt_time(elapsed)} < {_fmt_time(eta)}"
-        )
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def message(self, text: str) -> None:
-        self.stream.write(("\n" if self.tty else "") + text + "\n")
-        self.stream.flush()
 
 
 # ----------------------------------------------------------------------------
@@ -229,8 +186,14 @@ def fit(
     schedule = lr_schedule(cfg)
     extra = {"optim": asdict(cfg), **(extra or {})}
     step = 0
-    existing = list_checkpoints(out_dir) if resume else []
+    existing = list_checkpoints(out_dir)
     progress_stream = stream or sys.stderr
+    if existing and not resume:
+        for path in existing:
+            shutil.rmtree(path)
+        progress_stream.write(f"starting over: removed {len(existing)} checkpoints of an "
+                              f"earlier run in {existing[0].parent}\n")
+        existing = []
     if existing:
         state = load_checkpoint(existing[-1], model, optimizer)
         step = int(state["step"])
@@ -257,6 +220,13 @@ def fit(
             total_loss += loss.item() * weight.item()
             total_weight += weight.item()
             tokens += int(ntok)
+        mean_loss = total_loss / max(total_weight, 1e-12)
+        if not math.isfinite(mean_loss):
+            raise DFlashError(
+                f"the loss is {mean_loss} at step {step + 1}: training diverged; stopped before "
+                f"that update, the checkpoints in '{out_dir / 'checkpoints'}' are kept "
+                "(lower the learning rate, or check the data and the last checkpoint)"
+            )
         grads = tree_map(lambda g: g / total_weight, grads)
         if cfg.grad_clip > 0:
             grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
@@ -265,7 +235,6 @@ def fit(
         mx.eval(model.parameters(), optimizer.state)
         step += 1
         ran += 1
-        mean_loss = total_loss / max(total_weight, 1e-12)
         history.append(mean_loss)
         progress.update(step, mean_loss, tokens, lr)
         done = step == cfg.steps or (stop_after is not None and ran >= stop_after)

@@ -1,0 +1,14 @@
+"""Training DFlash drafts (``dflash-mlx train``); see ``docs/architecture.md``.
+
+Modules, one concern each: ``config`` (what to train), ``records`` and
+``data`` (corpus and self-distillation), ``objective`` (the block-diffusion
+loss), ``loop`` (optimizer, schedule, checkpoints, ``fit``), ``progress``,
+``evaluate`` (held-out tau), ``export`` (written drafts) and ``command``
+(``train_draft`` and the CLI glue).
+"""
+
+from .command import train_draft
+from .config import DraftTrainConfig
+from .loop import OptimConfig, fit
+
+__all__ = ["DraftTrainConfig", "OptimConfig", "fit", "train_draft"]

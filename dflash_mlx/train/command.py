@@ -1,0 +1,183 @@
+"""``dflash-mlx train``: from command-line values to a trained, exported draft.
+
+``train_draft`` ties the pieces together: the target, the draft's config
+(``config``), the data (``data``), the objective (``objective``), the loop
+with its checkpoints (``loop``), held-out evaluation (``evaluate``) and the
+written draft (``export``).
+"""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from ..atomic import check_output, write_text
+from ..draft import DFlashDraft
+from ..errors import DFlashError
+from ..target import Target
+from .config import DraftTrainConfig, draft_config_for, mask_token_id
+from .data import prepare_data
+from .evaluate import evaluate_tau
+from .export import export_hf, save_draft
+from .loop import OptimConfig, fit, list_checkpoints
+from .objective import DraftObjective
+from .progress import log
+
+
+def _check_resumable(out: Path, meta: dict, resume: bool) -> None:
+    """Refuse to resume the checkpoints in ``out`` with other settings or data."""
+    meta_file = out / "train_config.json"
+    if not (resume and list_checkpoints(out) and meta_file.is_file()):
+        return
+    try:
+        old = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"cannot read '{meta_file}' ({e}); use a new --out or --no-resume") from None
+    changed = [k for k in ("draft", "train", "optim", "data") if old.get(k) != meta[k]]
+    if changed:
+        raise DFlashError(
+            f"'{out}' holds checkpoints of a run with different {', '.join(changed)} "
+            "settings; use a new --out or --no-resume"
+        )
+
+
+def train_draft(
+    model_path: str,
+    out_dir: str,
+    data: Sequence[str],
+    train: Optional[DraftTrainConfig] = None,
+    optim_cfg: Optional[OptimConfig] = None,
+    *,
+    eval_prompt_paths: Optional[Sequence[str]] = None,
+    export_hf_dir: Optional[str] = None,
+    hf_dtype: str = "bfloat16",
+    resume: bool = True,
+    stop_after: Optional[int] = None,
+    model_and_tokenizer=None,
+) -> dict:
+    """Train a DFlash draft for the target at ``model_path``; returns a summary.
+
+    Writes ``out_dir/checkpoints/step_*`` (exact resume), ``out_dir/draft``
+    (MLX layout, loads with ``load_draft``) and, with ``export_hf_dir``, the
+    z-lab Hugging Face layout. ``stop_after`` pauses after that many steps
+    (resume later with the same arguments). Resuming a run of other settings
+    or data is refused; ``resume=False`` starts over in ``out_dir``.
+    """
+    from ..loading import load
+
+    train = train or DraftTrainConfig()
+    optim_cfg = optim_cfg or OptimConfig()
+    optim_cfg.validate()  # before any expensive data preparation
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = model_and_tokenizer or load(model_path)
+    model.eval()
+    target = Target(model)
+    mask_id = mask_token_id(tokenizer, target, train.mask_token_id)
+    config = draft_config_for(target, train, mask_id)
+    if train.seq_len <= config.block_size + 1:
+        raise DFlashError(f"--seq-len must exceed the block size + 1, got {train.seq_len}")
+
+    meta = {"target": str(model_path), "draft": config.to_dict(), "train": asdict(train),
+            "optim": asdict(optim_cfg), "data": [str(Path(d).expanduser().resolve()) for d in data]}
+    _check_resumable(out, json.loads(json.dumps(meta)), resume)
+    if export_hf_dir:
+        check_output(Path(export_hf_dir), force=True)  # before training, not after
+    write_text(out / "train_config.json", json.dumps(meta, indent=2))
+
+    dataset, eval_prompts = prepare_data(
+        target, tokenizer, data, train, out, optim_cfg.seed, eval_prompt_paths, reuse_cache=resume
+    )
+    mx.random.seed(optim_cfg.seed)
+    draft = DFlashDraft(config)
+    mx.eval(draft.parameters())
+    objective = DraftObjective(target, config, train, dataset, optim_cfg.seed)
+    evals = []
+
+    def on_checkpoint(step, path):
+        every = train.eval_every
+        if every and eval_prompts and (step // max(optim_cfg.checkpoint_every, 1)) % every == 0 \
+                and step < optim_cfg.steps:
+            r = evaluate_tau(model, draft, tokenizer, eval_prompts, train.eval_tokens)
+            evals.append({"step": step, **r})
+            log(f"eval at step {step}: tau {r['tau']:.2f} over {r['cycles']} cycles")
+
+    summary = fit(
+        draft, objective.loss, objective.batch, optim_cfg, out,
+        resume=resume, extra={"kind": "dflash-draft"}, on_checkpoint=on_checkpoint,
+        stop_after=stop_after,
+    )
+    result = {"step": summary["step"], "losses": summary["losses"], "evals": evals,
+              "draft_dir": None, "hf_dir": None}
+    if summary["step"] < optim_cfg.steps:
+        log(f"paused at step {summary['step']}/{optim_cfg.steps}; run again to resume")
+        return result
+    result["draft_dir"] = str(save_draft(draft, out / "draft"))
+    log(f"wrote {result['draft_dir']}")
+    if export_hf_dir:
+        result["hf_dir"] = str(export_hf(draft, Path(export_hf_dir), hf_dtype))
+        log(f"wrote {result['hf_dir']} (Hugging Face layout, {hf_dtype})")
+    if eval_prompts:
+        r = evaluate_tau(model, draft, tokenizer, eval_prompts, train.eval_tokens)
+        result["final_eval"] = r
+        log(
+            f"held-out tau {r['tau']:.2f} at block {config.block_size} over {len(eval_prompts)} "
+            f"prompts ({r['cycles']} cycles); accepted-length histogram {r['accepted_histogram']}"
+        )
+        write_text(out / "eval.json", json.dumps(r, indent=2))
+    return result
+
+
+def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:
+    """'1,4,7' -> [1, 4, 7]; None or '' -> None (the published default)."""
+    if not text:
+        return None
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise DFlashError(f"--target-layer-ids must be comma-separated integers, got '{text}'") from None
+
+
+def run_cli(
+    *, model: str, out: str, data: list[str], self_distill: bool, layers: int,
+    target_layer_ids: Optional[str], block_size: int, mask_token_id: Optional[int],
+    heads: Optional[int], kv_heads: Optional[int], head_dim: Optional[int],
+    intermediate_size: Optional[int], sliding_window: Optional[int], steps: int,
+    batch_size: int, seq_len: int, blocks_per_seq: int, gamma: float, lr: float,
+    warmup: int, min_lr_ratio: float, weight_decay: float, grad_accum: int, grad_clip: float,
+    num_prompts: int, distill_tokens: int, cache_features: bool, eval_prompts: Optional[list[str]], eval_count: int,
+    eval_tokens: int, eval_every: int, checkpoint_every: int, seed: int, resume: bool,
+    export_hf: Optional[str], hf_dtype: str,
+) -> dict:
+    """``dflash-mlx train``: build the configs from command-line values and train."""
+    if not data:
+        raise DFlashError("give training data with --data (text or JSONL files or directories)")
+    for name, value in (("--steps", steps), ("--batch-size", batch_size), ("--layers", layers),
+                        ("--blocks-per-seq", blocks_per_seq), ("--grad-accum", grad_accum)):
+        if value <= 0:
+            raise DFlashError(f"{name} must be positive, got {value}")
+    if block_size < 2:
+        raise DFlashError(f"--block-size must be at least 2, got {block_size}")
+    if hf_dtype not in ("bfloat16", "float16", "float32"):
+        raise DFlashError(f"--hf-dtype must be bfloat16, float16 or float32, got '{hf_dtype}'")
+    train = DraftTrainConfig(
+        num_layers=layers, target_layer_ids=parse_layer_ids(target_layer_ids),
+        block_size=block_size, mask_token_id=mask_token_id, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+        sliding_window=sliding_window, seq_len=seq_len, batch_size=batch_size,
+        blocks_per_seq=blocks_per_seq, gamma=gamma, self_distill=self_distill,
+        num_prompts=num_prompts, distill_tokens=distill_tokens, cache_features=cache_features,
+        eval_prompts=eval_count,
+        eval_tokens=eval_tokens, eval_every=eval_every,
+    )
+    optim_cfg = OptimConfig(
+        steps=steps, learning_rate=lr, warmup_steps=min(warmup, steps), min_lr_ratio=min_lr_ratio,
+        weight_decay=weight_decay, grad_clip=grad_clip, grad_accum=grad_accum,
+        checkpoint_every=checkpoint_every, seed=seed,
+    )
+    return train_draft(
+        model, out, data, train, optim_cfg, eval_prompt_paths=eval_prompts,
+        export_hf_dir=export_hf, hf_dtype=hf_dtype, resume=resume,
+    )

@@ -1,0 +1,51 @@
+"""Writing a trained draft: the MLX layout ``load_draft`` reads, and the z-lab
+Hugging Face layout vLLM and SGLang load. Both are written atomically and
+never with NaN or infinite weights."""
+
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import save_config
+
+from ..atomic import staged_output
+from ..draft import DFlashDraft
+from ..errors import DFlashError
+from .loop import all_finite
+
+
+def _write(path: Path, weights: dict, config: dict, fmt: str) -> Path:
+    path = Path(path)
+    if not all_finite(weights):
+        raise DFlashError(f"the draft's weights hold NaN or infinite values; '{path}' was not written")
+    with staged_output(path, force=True) as tmp:
+        tmp.mkdir(parents=True)
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": fmt})
+        save_config(config, tmp / "config.json")
+    return path
+
+
+def save_draft(draft: DFlashDraft, path: Path, dtype: Optional[str] = None) -> Path:
+    """The MLX layout ``load_draft`` reads (config + model.safetensors)."""
+    weights = dict(tree_flatten(draft.parameters()))
+    if dtype:
+        weights = {k: v.astype(getattr(mx, dtype)) for k, v in weights.items()}
+    return _write(path, weights, draft.config.to_dict(), "mlx")
+
+
+def export_hf(draft: DFlashDraft, path: Path, dtype: str = "bfloat16") -> Path:
+    """The z-lab Hugging Face layout (newer config dialect, PyTorch-style
+    safetensors), as vLLM and SGLang load DFlash drafts."""
+    c = draft.config
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(draft.parameters())}
+    config = {
+        **c.to_dict(),
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": dtype,
+        "block_size": c.block_size,
+    }
+    config.pop("quantization", None)
+    return _write(path, weights, config, "pt")
