@@ -86,8 +86,8 @@ def convert_draft(
             weight = tensors.pop(name)
             if cast is not None:
                 weight = weight.astype(cast)
-            bad = mx.logical_not(mx.isfinite(weight)).sum().item()
-            if bad:
+            if not mx.isfinite(weight).all().item():
+                bad = mx.logical_not(mx.isfinite(weight)).sum().item()
                 log(f"warning: tensor '{name}' holds {bad} NaN or infinite values of {weight.size}")
             module = name.removesuffix(".weight")
             params = modules.get(module)
