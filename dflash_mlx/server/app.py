@@ -58,6 +58,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return APIError(400, "the body must be a JSON object")
     param = ".".join(loc) or None
     where = f"{param}: " if param else "the body: "
     return APIError(400, where + first["msg"], param)
