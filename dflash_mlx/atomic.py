@@ -132,9 +132,20 @@ def _swap_in(new: Path, out: Path, aside: Path) -> None:
         raise
 
 
-def write_text(path: Path, text: str) -> None:
-    """Write a small file whole: a temporary sibling renamed over ``path``."""
+@contextmanager
+def staged_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary sibling path to write; it replaces ``path`` only if the
+    block succeeds, and is removed otherwise."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a small text file whole (``staged_file``)."""
+    with staged_file(path) as tmp:
+        tmp.write_text(text)

@@ -20,7 +20,7 @@ import pytest
 from checkpoints import WORDS, write_draft, write_target
 
 from dflash_mlx import load_draft
-from dflash_mlx.atomic import MARKER, staging_path
+from dflash_mlx.atomic import MARKER, staged_file, staging_path
 
 
 def cli(*args, cwd=None):
@@ -202,6 +202,26 @@ def test_a_corrupted_checkpoint_stops_resuming_and_is_never_exported(models, tmp
     assert_one_error(train(models, run, "--steps", "2"), "the loss is nan at step 2")
     assert files(run / "checkpoints") == kept and files(run / "draft") == draft
     assert not partial_dirs(tmp_path)
+
+
+def test_export_hf_refuses_a_directory_that_is_not_ours_before_training(models, tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "notes.txt").write_text("mine")
+    before = files(tmp_path)
+    assert_one_error(train(models, tmp_path / "run", "--steps", "2", "--export-hf", hf),
+                     "not a dflash-mlx output")
+    assert files(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_a_failed_file_write_keeps_the_old_file(tmp_path):
+    path = tmp_path / "train_config.json"
+    path.write_text("old")
+    with pytest.raises(KeyboardInterrupt):
+        with staged_file(path) as tmp:
+            tmp.write_text("half")
+            raise KeyboardInterrupt
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["train_config.json"]
 
 
 def test_resuming_with_other_data_is_refused_unless_starting_over(models, tmp_path):

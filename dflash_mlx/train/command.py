@@ -70,8 +70,9 @@ def train_draft(
     train = train or DraftTrainConfig()
     optim_cfg = optim_cfg or OptimConfig()
     optim_cfg.validate()  # before any expensive data preparation
+    if export_hf_dir:
+        check_output(Path(export_hf_dir), force=True)  # before training, not after it
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = model_and_tokenizer or load(model_path)
     model.eval()
     target = Target(model)
@@ -83,8 +84,7 @@ def train_draft(
     meta = {"target": str(model_path), "draft": config.to_dict(), "train": asdict(train),
             "optim": asdict(optim_cfg), "data": [str(Path(d).expanduser().resolve()) for d in data]}
     _check_resumable(out, json.loads(json.dumps(meta)), resume)
-    if export_hf_dir:
-        check_output(Path(export_hf_dir), force=True)  # before training, not after
+    out.mkdir(parents=True, exist_ok=True)
     write_text(out / "train_config.json", json.dumps(meta, indent=2))
 
     dataset, eval_prompts = prepare_data(

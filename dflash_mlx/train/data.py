@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from ..atomic import staged_file
 from ..errors import DFlashError
 from ..target import Target
 from .config import DraftTrainConfig
@@ -87,9 +88,8 @@ class SequenceData(Dataset):
     def save(self, path: Path) -> None:
         lengths = np.array([len(s) for s in self.sequences], np.int64)
         flat = np.concatenate(self.sequences) if self.sequences else np.zeros(0, np.int32)
-        tmp = Path(str(path) + ".tmp.npz")
-        np.savez(tmp, tokens=flat, lengths=lengths, prompt_lens=self.prompt_lens)
-        tmp.replace(path)
+        with staged_file(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, tokens=flat, lengths=lengths, prompt_lens=self.prompt_lens)
 
     @classmethod
     def load(cls, path: Path, pad_id: int = 0) -> "SequenceData":
