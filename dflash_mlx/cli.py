@@ -4,7 +4,6 @@ import sys
 import warnings
 from typing import Optional
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -12,13 +11,13 @@ from .errors import DFlashError
 
 
 class _Commands(TyperGroup):
-    """Usage errors (an option value of the wrong type, a missing option) end
-    like every other error: one ``error:`` line and exit status 1."""
+    """Bad option values (the wrong type, a missing option) end like every other
+    error: one ``error:`` line and exit status 1."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except click.UsageError as e:
+        except typer.BadParameter as e:
             _fail(e.format_message())
 
 
@@ -56,7 +55,7 @@ def _read_prompt(prompt: str) -> str:
         try:
             prompt = sys.stdin.read()
         except UnicodeDecodeError:
-            raise DFlashError("the prompt on stdin is not valid UTF-8") from None
+            raise DFlashError("the prompt is not valid UTF-8") from None
     return text(prompt)
 
 

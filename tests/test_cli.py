@@ -152,6 +152,13 @@ def test_unknown_target_without_draft_lists_known_targets(pair):
         (["-p", "hi", "-b", "1"], "--block-size must be at least 2"),
         (["-p", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
         (["-p", "hi", "--temp", "-1"], "--temp must be >= 0"),
+        (["-p", "hi", "--top-p", "nan"], "--top-p must be a finite number"),
+        (["-p", "hi", "--min-p", "2"], "--min-p must be in [0, 1], got 2"),
+        (["-p", "hi", "--top-k", "-1"], "--top-k must be >= 0"),
+        (["-p", "hi", "--prefill-step-size", "0"], "--prefill-step-size must be positive"),
+        (["-p", "hi", "-b", "17"], "--block-size must be at most 16"),
+        (["-p", "hi", "-b", "x"], "Invalid value for '--block-size'"),
+        (["-p", " \n"], "prompt is empty"),
     ],
 )
 def test_bad_arguments(pair, args, fragment):
@@ -209,3 +216,16 @@ def test_repo_ids_resolve_through_huggingface_hub(pair, tmp_path, monkeypatch):
                  "-p", "hello", "-n", 5, "--no-chat-template")
     assert result.exit_code == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_block_above_the_trained_size_warns_once_and_stays_lossless(pair):
+    target, draft = pair  # trained at block 8
+    result = run("generate", "-m", target, "-d", draft, "-p", "the quick brown fox", "-n", 16,
+                 "--no-chat-template", "-b", 12)
+    assert result.exit_code == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if "warn" in line.lower()] == [
+        "warning: --block-size 12 is above the draft's trained block size 8: "
+        "acceptance at draft positions beyond 8 is untrained"]
+    model, tokenizer = mlx_lm_load(str(target))
+    want = [t for t, _ in generate_step(mx.array(tokenizer.encode("the quick brown fox")), model, max_tokens=16)]
+    assert result.stdout.strip() == tokenizer.decode(want).strip()
