@@ -8,17 +8,22 @@ extends one of them prefills only its suffix:
 
 - attention-only targets roll back to the longest common prefix by trimming
   every KV cache, target and draft alike;
-- targets with recurrent (``ArraysCache``) layers cannot be trimmed, so the
-  states are snapshotted at the end of the prompt: an entry is reused either
-  as it is (the new prompt extends everything it holds) or rolled back to
-  that snapshot (the new prompt extends the old prompt), never elsewhere.
+- targets with recurrent layers (GatedDeltaNet's ``ArraysCache``) cannot be
+  trimmed, so their states are snapshotted at the end of the prompt: an entry
+  is reused either as it is (the new prompt extends everything it holds) or
+  rolled back to that snapshot (the new prompt extends the old prompt), never
+  elsewhere.
 
 At least one prompt token is always left to prefill, for the logits of the
-first generated token. Entries are evicted least recently used first to stay
-within a byte budget; one in use is taken out of the cache, so the decoder
-can extend it in place.
+first generated token. A prompt that extends an entry's whole prompt
+continues that conversation: the entry is taken out of the cache and the
+decoder extends it in place. One that branches off inside it (another chat
+with the same system prompt, a regenerated reply) gets a copy, and the entry
+stays. Entries are evicted least recently used first to stay within a byte
+budget.
 """
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -69,7 +74,7 @@ class PrefixCache:
         return sum(e.nbytes for e in self.entries.values())
 
     def _recurrent(self, context: ContextCache) -> bool:
-        return any(isinstance(c, ArraysCache) for c in context.target)
+        return not all(c.is_trimmable() for c in context.target)
 
     def _reusable(self, entry: Entry, prompt: list[int]) -> int:
         """Tokens of ``prompt`` the entry can hold after an exact rollback."""
@@ -80,8 +85,8 @@ class PrefixCache:
         return entry.prompt_len if entry.snapshot is not None and n >= entry.prompt_len else 0
 
     def take(self, prompt: list[int]) -> ContextCache:
-        """Caches holding the longest reusable prefix of ``prompt`` (taken out
-        of the LRU), or fresh ones; ``len(context.tokens)`` is what was reused."""
+        """Caches holding the longest reusable prefix of ``prompt`` (an entry
+        or a copy of one), or fresh ones; ``len(context.tokens)`` is what was reused."""
         best, reused = None, 0
         for key, entry in self.entries.items():
             n = self._reusable(entry, prompt)
@@ -89,20 +94,26 @@ class PrefixCache:
                 best, reused = key, n
         if best is None:
             return ContextCache(self.target.make_cache(), self.draft.make_cache())
-        entry = self.entries.pop(best)
-        self._rollback(entry, reused)
-        return entry.context
+        if reused >= self.entries[best].prompt_len:
+            entry = self.entries.pop(best)
+            context = entry.context
+        else:
+            entry = self.entries[best]
+            self.entries.move_to_end(best)
+            context = copy.deepcopy(entry.context)
+        self._rollback(context, entry.snapshot, reused)
+        return context
 
-    def _rollback(self, entry: Entry, n: int) -> None:
-        context = entry.context
+    @staticmethod
+    def _rollback(context: ContextCache, snapshot: Optional[list], n: int) -> None:
         drop = len(context.tokens) - n
         if drop == 0:
             return
         for i, c in enumerate(context.target):
-            if isinstance(c, ArraysCache):
-                c.cache = list(entry.snapshot[i])  # n == entry.prompt_len here
-            else:
+            if c.is_trimmable():
                 c.trim(drop)
+            else:
+                c.cache = list(snapshot[i])  # an ArraysCache; n is the snapshot's prompt_len
         for c in context.draft:
             c.trim(drop)
         del context.tokens[n:]
@@ -111,6 +122,8 @@ class PrefixCache:
         """The recurrent states of ``context`` as they are now (None if it has none)."""
         if not self._recurrent(context):
             return None
+        if not all(c.is_trimmable() or isinstance(c, ArraysCache) for c in context.target):
+            return None  # a recurrent cache we cannot snapshot: reused only as it is
         return [list(c.cache) if isinstance(c, ArraysCache) else None for c in context.target]
 
     def put(self, context: ContextCache, prompt_len: int, snapshot: Optional[list]) -> None:
