@@ -1,5 +1,6 @@
 """The ``dflash-mlx`` command line (typer)."""
 
+import importlib
 import sys
 import warnings
 from typing import Optional
@@ -42,6 +43,15 @@ THINKING_HELP = ("Pass enable_thinking=True/False to the chat template. Default:
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)
+
+
+def _call(module: str, function: str, **options) -> None:
+    """Hand a command's options to the tool that owns them (imported only when
+    run, so --help stays fast); its DFlashError becomes the one error line."""
+    try:
+        getattr(importlib.import_module(module, __package__), function)(**options)
+    except DFlashError as e:
+        _fail(str(e))
 
 
 def _note(message: str) -> None:
@@ -263,13 +273,7 @@ def train(
     hf_dtype: str = typer.Option("bfloat16", "--hf-dtype", help="dtype of the --export-hf weights."),
 ):
     """Train a DFlash draft for a target (block-diffusion objective, frozen target)."""
-    options = dict(locals())
-    try:
-        from .train.command import run_cli
-
-        run_cli(**options)
-    except DFlashError as e:
-        _fail(str(e))
+    _call(".train.command", "run_cli", **locals())
 
 
 @app.command()
@@ -303,13 +307,7 @@ def bench(
     overhead_ms: float = typer.Option(0.0, "--overhead-ms", help="--predict: fixed cost added to every forward pass."),
 ):
     """Baseline (mlx-lm) and DFlash side by side: speedup, tau, acceptance, memory, identity."""
-    options = dict(locals())
-    try:
-        from .bench.command import main
-
-        main(**options)
-    except DFlashError as e:
-        _fail(str(e))
+    _call(".bench.command", "main", **locals())
 
 
 @app.command()
