@@ -2,9 +2,11 @@
 lower the loss, checkpoints resume bit-identically, and what training writes
 loads with ``load_draft`` and decodes losslessly."""
 
+import io
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from checkpoints import WORDS, build_target
@@ -131,6 +133,28 @@ def test_checkpoint_resumes_bit_identically(hybrid, corpus, tmp_path):
     ck_b = mx.load(str(list_checkpoints(tmp_path / "b")[-1] / "optimizer.safetensors"))
     assert ck_a.keys() == ck_b.keys()
     assert all(mx.array_equal(ck_a[k], ck_b[k]).item() for k in ck_a)
+
+
+def test_a_non_finite_loss_stops_before_its_update_and_ends_the_bar_line(tmp_path):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    model = nn.Linear(2, 1)
+
+    def loss_fn(m, x):
+        return (m(x) ** 2).mean(), mx.array(1.0)
+
+    def batch(step, micro):  # the third step's input is NaN
+        return mx.array([[1.0, float("nan") if step == 2 else 1.0]]), 1
+
+    stream = Tty()
+    cfg = OptimConfig(steps=5, warmup_steps=0, checkpoint_every=1, log_every=1)
+    with pytest.raises(DFlashError, match="the loss is nan at step 3: training diverged"):
+        fit(model, loss_fn, batch, cfg, tmp_path, stream=stream)
+    assert "step 2/5" in stream.getvalue() and stream.getvalue().endswith("\n")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
+    assert all(mx.isfinite(p).all().item() for _, p in tree_flatten(model.parameters()))
 
 
 def test_grad_accumulation_matches_one_big_batch(hybrid, corpus, tmp_path):

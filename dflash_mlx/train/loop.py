@@ -210,38 +210,41 @@ def fit(
     history = []
     ran = 0
     last_ckpt = None
-    while step < cfg.steps:
-        grads, total_loss, total_weight, tokens = None, 0.0, 0.0, 0
-        for micro in range(cfg.grad_accum):
-            *args, ntok = batch_fn(step, micro)
-            (_, (loss, weight)), g = grad_fn(model, *args)
-            grads = g if grads is None else tree_map(mx.add, grads, g)
-            mx.eval(grads, loss, weight)
-            total_loss += loss.item() * weight.item()
-            total_weight += weight.item()
-            tokens += int(ntok)
-        mean_loss = total_loss / max(total_weight, 1e-12)
-        if not math.isfinite(mean_loss):
-            raise DFlashError(
-                f"the loss is {mean_loss} at step {step + 1}: training diverged; stopped before "
-                f"that update, the checkpoints in '{out_dir / 'checkpoints'}' are kept "
-                "(lower the learning rate, or check the data and the last checkpoint)"
-            )
-        grads = tree_map(lambda g: g / total_weight, grads)
-        if cfg.grad_clip > 0:
-            grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-        lr = schedule(step).item()  # what this update uses
-        optimizer.update(model, grads)
-        mx.eval(model.parameters(), optimizer.state)
-        step += 1
-        ran += 1
-        history.append(mean_loss)
-        progress.update(step, mean_loss, tokens, lr)
-        done = step == cfg.steps or (stop_after is not None and ran >= stop_after)
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or done:
-            last_ckpt = save_checkpoint(out_dir, model, optimizer, step, extra, cfg.keep_checkpoints)
-            if on_checkpoint is not None:
-                on_checkpoint(step, last_ckpt)
-        if done:
-            break
+    try:
+        while step < cfg.steps:
+            grads, total_loss, total_weight, tokens = None, 0.0, 0.0, 0
+            for micro in range(cfg.grad_accum):
+                *args, ntok = batch_fn(step, micro)
+                (_, (loss, weight)), g = grad_fn(model, *args)
+                grads = g if grads is None else tree_map(mx.add, grads, g)
+                mx.eval(grads, loss, weight)
+                total_loss += loss.item() * weight.item()
+                total_weight += weight.item()
+                tokens += int(ntok)
+            mean_loss = total_loss / max(total_weight, 1e-12)
+            if not math.isfinite(mean_loss):
+                raise DFlashError(
+                    f"the loss is {mean_loss} at step {step + 1}: training diverged; stopped before "
+                    f"that update, the checkpoints in '{out_dir / 'checkpoints'}' are kept "
+                    "(lower the learning rate, or check the data and the last checkpoint)"
+                )
+            grads = tree_map(lambda g: g / total_weight, grads)
+            if cfg.grad_clip > 0:
+                grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+            lr = schedule(step).item()  # what this update uses
+            optimizer.update(model, grads)
+            mx.eval(model.parameters(), optimizer.state)
+            step += 1
+            ran += 1
+            history.append(mean_loss)
+            progress.update(step, mean_loss, tokens, lr)
+            done = step == cfg.steps or (stop_after is not None and ran >= stop_after)
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or done:
+                last_ckpt = save_checkpoint(out_dir, model, optimizer, step, extra, cfg.keep_checkpoints)
+                if on_checkpoint is not None:
+                    on_checkpoint(step, last_ckpt)
+            if done:
+                break
+    finally:
+        progress.close()
     return {"step": step, "losses": history, "checkpoint": last_ckpt}

@@ -24,6 +24,7 @@ class Progress:
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.losses: list[float] = []
+        self.open = False  # a tty bar line not yet ended
 
     def update(self, step: int, loss: float, tokens: int, lr: float) -> None:
         self.tokens += tokens
@@ -45,10 +46,14 @@ class Progress:
         )
         if self.tty:
             self.stream.write("\r" + line + ("\n" if step == self.total else ""))
+            self.open = step != self.total
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
 
-    def message(self, text: str) -> None:
-        self.stream.write(("\n" if self.tty else "") + text + "\n")
-        self.stream.flush()
+    def close(self) -> None:
+        """End a bar line left open on a tty, so what follows (an error) starts a line."""
+        if self.open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open = False
