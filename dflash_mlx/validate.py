@@ -108,20 +108,19 @@ def token_ids(ids, vocab_size: int, name: str = "prompt") -> np.ndarray:
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)), None)
         if bad is not None:
             raise DFlashError(f"{name} token ids must be integers, got {bad!r}")
-        array = np.array(ids, dtype=np.int64)
+        outside = [int(t) for t in ids if not 0 <= t < vocab_size]
+        array = np.array([] if outside else ids, dtype=np.int64)
     else:
         array = np.asarray(ids)
         if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
             raise DFlashError(f"{name} token ids must be integers, got an array of {array.dtype}")
-        array = array.astype(np.int64)
-    if array.ndim != 1:
-        raise DFlashError(f"{name} must be one sequence of token ids, got shape {tuple(array.shape)}")
+        if array.ndim != 1:
+            raise DFlashError(f"{name} must be one sequence of token ids, got shape {tuple(array.shape)}")
+        outside = [int(t) for t in (array.min(), array.max()) if not 0 <= t < vocab_size] if array.size else []
+    if outside:
+        raise DFlashError(f"{name} token ids must lie in [0, {vocab_size}), got {outside[0]}")
     if array.size == 0:
         raise DFlashError(f"the {name} is empty; give some text or token ids")
-    low, high = int(array.min()), int(array.max())
-    if low < 0 or high >= vocab_size:
-        raise DFlashError(f"{name} token ids must lie in [0, {vocab_size}), got "
-                          f"{low if low < 0 else high}")
     return array.astype(np.int32)
 
 

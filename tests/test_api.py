@@ -98,6 +98,8 @@ def test_prompt_may_be_text_ids_or_array_and_text_streams(pair):
         ({"prompt": [999999]}, r"prompt token ids must lie in \[0, 512\), got 999999"),
         ({"prompt": [-1, 5]}, r"prompt token ids must lie in \[0, 512\), got -1"),
         ({"prompt": [5, 512]}, "got 512"),
+        ({"prompt": [5, 2**70]}, f"got {2**70}"),
+        ({"prompt": np.array([5, 2**64 - 1], np.uint64)}, f"got {2**64 - 1}"),
         ({"prompt": [1.5, 2.7]}, "prompt token ids must be integers, got 1.5"),
         ({"prompt": [True, 5]}, "prompt token ids must be integers, got True"),
         ({"prompt": np.array([1.5, 2.0])}, "prompt token ids must be integers, got an array of float64"),
