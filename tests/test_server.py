@@ -33,7 +33,7 @@ def running_server(log_dir, target, draft, *options):
     port = free_port()
     log = open(log_dir / f"server-{port}.log", "w")
     command = [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target),
-               "--draft", str(draft), "--host", "127.0.0.1", "--port", str(port), *options]
+               "--draft", str(draft), "--port", str(port), *options]  # binds 127.0.0.1 by default
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                             env=os.environ | {"HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -258,3 +258,32 @@ def test_a_full_queue_answers_429_and_a_disconnect_frees_its_slot_at_once(server
             time.sleep(0.05)
         assert http.get("/health").json()["active"] == 0
         assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--port", "70000"], "--port must be in 0..65535"),
+        (["--max-queue", "-1"], "--max-queue must be >= 0"),
+        (["--max-tokens-limit", "0"], "--max-tokens-limit must be positive"),
+        (["--prefix-cache-gb", "-1"], "--prefix-cache-gb must be >= 0"),
+        (["--draft", "somewhere"], "--draft needs --model"),
+    ],
+)
+def test_serve_options_are_checked_before_loading(options, message):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    result = CliRunner().invoke(app, ["serve", *options])
+    assert result.exit_code == 1 and message in result.output
+
+
+def test_a_block_size_the_draft_cannot_take_stops_the_server_at_startup(pair_dirs):
+    target, draft = pair_dirs
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target), "--draft", str(draft),
+         "--port", str(free_port()), "--block-size", "1000"],
+        capture_output=True, text=True, timeout=120, env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 1 and "error: block_size" in result.stderr

@@ -17,8 +17,9 @@ from typing import Optional, Union
 
 import mlx.core as mx
 
+from ..chat import encode
 from ..errors import DFlashError
-from ..generate import check_pair, stream_generate
+from ..generate import check_pair, generate, stream_generate
 from ..loading import load, load_draft
 from ..target import Target
 from .prefix_cache import PrefixCache
@@ -171,6 +172,9 @@ class Engine:
         check_pair(self.target, self.draft)
         self.vocab_size = self.target.vocab_size
         self.context_length = getattr(self.target.args, "max_position_embeddings", None)
+        # one cycle through the whole pipeline: a bad option fails here, not in every request
+        generate(self.target, self.draft, self.tokenizer, encode(self.tokenizer, "hello"),
+                 max_tokens=2, block_size=self.block_size)
         self.prefix_cache = PrefixCache(self.target, self.draft, self.prefix_cache_bytes)
         self._update_stats()
 
