@@ -85,9 +85,9 @@ def collect(check: bool = True) -> list[tuple[str, str]]:
             rows.append(("metal", "available"))
     else:
         rows.append(("metal", "not available (kernels use their pure-MLX references)"))
-    forced = os.environ.get(kernels.REFERENCE_ENV)
+    forced = kernels.current_policy().forced
     if forced:
-        rows.append((kernels.REFERENCE_ENV, forced))
+        rows.append((kernels.REFERENCE_ENV, "all" if kernels.registry.ALL in forced else ",".join(sorted(forced))))
     for name, state in kernels.status(check=check).items():
         rows.append((f"kernel {name}", state))
     if platform.system() == "Linux":
@@ -97,7 +97,7 @@ def collect(check: bool = True) -> list[tuple[str, str]]:
             rows.append(("blas advice", advice))
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     rows.append(("emulation harness", f"C++ compiler {compiler}" if compiler else
-                 "no C++ compiler (python -m dflash_mlx.emulate needs g++)"))
+                 "no C++ compiler (python -m dflash_mlx.kernels needs g++)"))
     return rows
 
 

@@ -21,8 +21,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import kernels
+from .draft_injection import InjectionPlan
 from .errors import DFlashError
+from .kernels.registry import current_policy
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -251,6 +252,7 @@ class DFlashDraft(nn.Module):
         self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.injection_plan: Optional[InjectionPlan] = None  # see _injection
 
     def make_cache(self) -> list[KVCache]:
         """One context cache per layer; it only ever holds context positions."""
@@ -259,20 +261,32 @@ class DFlashDraft(nn.Module):
     def inject(self, features: mx.array, cache: list[KVCache]) -> None:
         """Append target features [B, T, k*H] (the next T positions) to every layer's cache.
 
-        One matmul projects K and V for all layers (the stacked weights of
-        kernels.kv_inject.InjectionPlan), then one kv_inject launch (or its
-        MLX reference) applies every k_norm and RoPE. Layer by layer only for a
+        One matmul projects K and V for all layers (the stacked weights of the
+        draft's ``InjectionPlan``), then one kv_inject launch (or its MLX
+        reference) applies every k_norm and RoPE. Layer by layer only for a
         RoPE the kernel does not implement (reported once, with the reason).
         """
         ctx = self.hidden_norm(self.fc(features))
-        plan = kernels.kv_inject.injection_plan(self, cache)
-        if plan is None:
+        plan = self._injection()
+        if plan.reason is not None or len({c.offset for c in cache}) > 1:
             for layer, c in zip(self.layers, cache):
                 c.update_and_fetch(*layer.self_attn.keys_values(ctx, c.offset))
             return
         keys, values = plan(ctx, cache[0].offset)
         for i, c in enumerate(cache):
             c.update_and_fetch(keys[i], values[i])
+
+    def _injection(self) -> InjectionPlan:
+        """The injection plan, built on first use and again after new weights."""
+        if self.injection_plan is None or not self.injection_plan.current(self):
+            self.injection_plan = InjectionPlan(self)
+            reason = self.injection_plan.reason
+            if reason is not None:
+                current_policy().warn_once(
+                    f"kv_inject: {reason}",
+                    f"dflash-mlx: KV injection runs layer by layer (the reference path): {reason}",
+                )
+        return self.injection_plan
 
     def __call__(self, block_embeddings: mx.array, cache: list[KVCache]) -> mx.array:
         """Final-normed hidden states [B, b, H] for a block placed right after the context."""

@@ -1,4 +1,4 @@
-"""Exact rollback for Qwen3.5/3.6 GatedDeltaNet layers.
+"""The GatedDeltaNet layer kind (Qwen3.5/3.6 hybrids): recording forward and exact rollback.
 
 The verify pass runs the layer's own submodules in the same order as
 ``mlx_lm.models.qwen3_5.GatedDeltaNet`` and records the conv input and the
@@ -20,11 +20,12 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_ssm_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
+from .errors import DFlashError
 from .kernels import gdn as gdn_kernels
-from .kernels.registry import current_backend, forced_reference
 
 
 @dataclass
@@ -39,11 +40,6 @@ class GatedDeltaRecord:
     layer: nn.Module  # the GatedDeltaNet (for A_log, dt_bias, kernel choice)
     g: Optional[mx.array] = None  # [B, T, Hv] decay the verify kernel used (kernel path only)
     beta: Optional[mx.array] = None  # [B, T, Hv] sigmoid(b) it used (kernel path only)
-
-
-def _may_run(kernel) -> bool:
-    """Cheap gate before building a kernel's inputs: not forced off, backend here."""
-    return not forced_reference(kernel.name) and current_backend().available()
 
 
 def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
@@ -72,7 +68,7 @@ def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
     q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
     state = cache[1]
     g = beta = None
-    if not gdn.training and _may_run(gdn_kernels.VERIFY):
+    if not gdn.training and gdn_kernels.VERIFY.enabled():
         # what gated_delta_update computes before its recurrence, kept for the replay
         g, beta = compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b)
         if state is None:
@@ -101,7 +97,7 @@ def restore(cache: ArraysCache, record: GatedDeltaRecord, keep: int) -> None:
     """Set ``cache`` to its state after the first ``keep`` recorded steps."""
     window = record.conv_input.shape[1] - record.q.shape[1]
     cache[0] = mx.contiguous(record.conv_input[:, keep : keep + window, :])
-    if record.g is not None and _may_run(gdn_kernels.REPLAY):
+    if record.g is not None and gdn_kernels.REPLAY.enabled():
         args = (record.k, record.v, record.g, record.beta, record.state,
                 mx.full((record.k.shape[0],), keep, dtype=mx.int32))
         if gdn_kernels.REPLAY.active(*args):
@@ -120,3 +116,33 @@ def restore(cache: ArraysCache, record: GatedDeltaRecord, keep: int) -> None:
         None,
         use_kernel=not gdn.training,
     )
+
+
+class GatedDelta:
+    """Layer kind of mlx-lm's qwen3_5 GatedDeltaNet layers (``layer.is_linear``),
+    whose cache is an ``ArraysCache`` of conv and recurrent state."""
+
+    name = "gated_delta"
+
+    @staticmethod
+    def claims(layer: nn.Module) -> bool:
+        return bool(getattr(layer, "is_linear", False))
+
+    def cache(self, cache):
+        if not isinstance(cache, ArraysCache):
+            raise DFlashError(f"a GatedDeltaNet layer has a '{type(cache).__name__}' cache; expected mlx-lm's ArraysCache")
+        return cache
+
+    def mask(self, h: mx.array, cache):
+        return create_ssm_mask(h, cache)
+
+    def __call__(self, layer: nn.Module, h: mx.array, mask, cache, record: bool):
+        if record:
+            return recording_layer(layer, h, mask, cache)
+        return layer(h, mask, cache), None
+
+    def rollback(self, cache: ArraysCache, record: GatedDeltaRecord, keep: int, block: int) -> None:
+        restore(cache, record, keep)
+
+
+GATED_DELTA = GatedDelta()

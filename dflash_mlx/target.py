@@ -2,18 +2,15 @@
 
 It reuses the instance's own modules (no patching of mlx-lm classes) to return
 logits-ready hidden states plus the features at ``target_layer_ids``, and it
-rolls every cache back exactly after a partially accepted block:
-
-- attention ``KVCache`` layers are trimmed; a sliding-window layer whose model
-  asks for a ``RotatingKVCache`` (gpt-oss) gets a plain ``KVCache`` instead, with
-  the window applied by its mask: the same attention, and exactly trimmable;
-- GatedDeltaNet (``ArraysCache``) layers are restored from what the verify pass
-  recorded, replaying only the accepted steps (see ``gated_delta.py``).
+rolls every cache back exactly after a partially accepted block. How each
+layer runs and rolls back is its layer kind's business (``layer_kinds.py``):
+attention caches are trimmed; GatedDeltaNet layers replay the accepted steps
+from what the verify pass recorded (``gated_delta.py``).
 
 On a quantized target the verify pass (``forward(..., record=True)``) and the
 logits of up to 32 rows run their quantized matmuls through the block-verify
-kernel where it is active (``kernels.qmm``): this instance's ``QuantizedLinear``
-layers are swapped for the duration of the pass only, and put back after it.
+kernel where it is active (``verify_matmuls.py``): this instance's
+``QuantizedLinear`` layers are swapped for the duration of the pass only.
 """
 
 import contextlib
@@ -22,28 +19,13 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache
 
-from . import gated_delta
 from .errors import DFlashError
-from .kernels import qmm
-
-_nothing = contextlib.nullcontext
+from .layer_kinds import layer_kinds
+from .verify_matmuls import VerificationMatmuls, quantized_matmul
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")
-SUPPORTED_CACHES = (KVCache, ArraysCache)
-
-
-def _layer_kinds(inner: nn.Module, layers: list) -> list[str]:
-    """'linear' (GatedDeltaNet), 'sliding' or 'full' attention, per layer."""
-    types = getattr(inner, "layer_types", None) or [None] * len(layers)  # gpt-oss names them
-    return [
-        "linear" if getattr(layer, "is_linear", False)
-        else "sliding" if getattr(layer, "use_sliding", False) or kind == "sliding_attention"
-        else "full"
-        for layer, kind in zip(layers, types)
-    ]
 
 
 @dataclass
@@ -52,7 +34,7 @@ class Forward:
 
     hidden: mx.array  # [B, T, H], after the final norm
     features: mx.array  # [B, T, k*H], outputs of the target_layer_ids layers
-    records: Optional[list] = None  # per layer: a GatedDeltaRecord or None
+    records: Optional[list] = None  # per layer: what its kind needs to roll back, or None
 
 
 class Target:
@@ -70,17 +52,15 @@ class Target:
         text = getattr(model, "language_model", model)
         self.inner = text.model
         self.layers = model.layers
-        self.kinds = _layer_kinds(self.inner, self.layers)
-        self.sliding_window = getattr(self.inner, "sliding_window", None) or getattr(
-            self.inner, "window_size", None
-        )
-        if "sliding" in self.kinds and not self.sliding_window:
-            raise DFlashError(f"target '{model_type}' has sliding-window layers but no window size")
+        try:
+            self.kinds = layer_kinds(self.inner, self.layers)
+        except DFlashError as e:
+            raise DFlashError(f"target '{model_type}': {e}") from None
         self.args = text.args
         tied = getattr(text.args, "tie_word_embeddings", False)
         self.lm_head = self.inner.embed_tokens.as_linear if tied else text.lm_head
         self._head_module = self.inner.embed_tokens if tied else text.lm_head
-        self._verify_matmuls: Optional[qmm.VerificationMatmuls] = None
+        self._verify_matmuls = VerificationMatmuls(model)
 
     @property
     def num_layers(self) -> int:
@@ -98,36 +78,12 @@ class Target:
         return self.inner.embed_tokens(tokens)
 
     def make_cache(self) -> list:
-        """The model's own cache list, checked for types we can roll back; a
-        ``RotatingKVCache`` of a sliding layer becomes a ``KVCache`` (the mask
-        applies the window)."""
+        """The model's own cache list, each entry as its layer kind runs on it
+        (a rotating cache of a sliding layer becomes a plain one; a cache that
+        cannot roll back is refused)."""
         make = getattr(self.model, "make_cache", None)
         cache = make() if make else [KVCache() for _ in self.layers]
-        cache = [
-            KVCache() if type(c) is RotatingKVCache and kind == "sliding" and c.keep == 0 else c
-            for c, kind in zip(cache, self.kinds)
-        ]
-        for c in cache:
-            if type(c) not in SUPPORTED_CACHES:
-                raise DFlashError(
-                    f"target cache type '{type(c).__name__}' cannot be rolled back; "
-                    "supported: KVCache (attention) and ArraysCache (GatedDeltaNet)"
-                )
-        return cache
-
-    def _masks(self, h: mx.array, cache: list) -> dict:
-        first = {}
-        for kind, c in zip(self.kinds, cache):
-            first.setdefault(kind, c)
-        masks = {}
-        for kind, c in first.items():
-            if kind == "linear":
-                masks[kind] = create_ssm_mask(h, c)
-            elif kind == "sliding":
-                masks[kind] = create_attention_mask(h, c, window_size=self.sliding_window)
-            else:
-                masks[kind] = create_attention_mask(h, c)
-        return masks
+        return [kind.cache(c) for kind, c in zip(self.kinds, cache)]
 
     def forward(
         self,
@@ -138,39 +94,29 @@ class Target:
     ) -> Forward:
         """Run tokens [B, T] through the target, capturing features at ``layer_ids``.
 
-        With ``record=True`` (block verification) GatedDeltaNet layers also keep
-        what ``rollback`` needs.
+        With ``record=True`` (block verification) each layer also returns what
+        its kind needs for ``rollback``.
         """
         cache = cache if cache is not None else [None] * self.num_layers
         h = self.embed(tokens)
-        masks = self._masks(h, cache)
+        masks = {}
+        for kind, c in zip(self.kinds, cache):
+            if kind.name not in masks:
+                masks[kind.name] = kind.mask(h, c)
         wanted = {i: None for i in layer_ids}
-        records = [None] * self.num_layers if record else None
-        with self.verifying() if record else _nothing():
+        records = [None] * self.num_layers
+        with self._verify_matmuls() if record else contextlib.nullcontext():
             for i, (layer, kind, c) in enumerate(zip(self.layers, self.kinds, cache)):
-                if record and kind == "linear":
-                    h, records[i] = gated_delta.recording_layer(layer, h, masks[kind], c)
-                else:
-                    h = layer(h, masks[kind], c)
+                h, records[i] = kind(layer, h, masks[kind.name], c, record)
                 if i in wanted:
                     wanted[i] = h
         features = mx.concatenate([wanted[i] for i in layer_ids], axis=-1)
-        return Forward(self.inner.norm(h), features, records)
-
-    def verifying(self):
-        """Context manager for a verify pass: this instance's quantized linears
-        use the block-verify matmul kernel inside it (nothing changes where the
-        kernel cannot run)."""
-        if self._verify_matmuls is None:
-            self._verify_matmuls = qmm.VerificationMatmuls(self.model)
-        return self._verify_matmuls()
+        return Forward(self.inner.norm(h), features, records if record else None)
 
     def logits(self, hidden: mx.array) -> mx.array:
         if isinstance(self._head_module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            out = qmm.quantized_matmul(hidden, self._head_module)
+            out = quantized_matmul(hidden, self._head_module)
             if out is not None:
-                if "bias" in self._head_module:
-                    out = out + self._head_module["bias"]
                 return out
         return self.lm_head(hidden)
 
@@ -180,8 +126,5 @@ class Target:
         block = forward.hidden.shape[1]
         if keep == block:
             return
-        for c, rec in zip(cache, forward.records):
-            if rec is not None:
-                gated_delta.restore(c, rec, keep)
-            else:
-                c.trim(block - keep)
+        for kind, c, rec in zip(self.kinds, cache, forward.records):
+            kind.rollback(c, rec, keep, block)

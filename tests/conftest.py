@@ -34,3 +34,13 @@ def draft_dir(tmp_path_factory, target_dirs):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernels():
+    """Each test dispatches kernels under a fresh policy: nothing forced to the
+    reference, no self-check run yet, no warning given."""
+    from dflash_mlx.kernels import KernelPolicy, use_policy
+
+    with use_policy(KernelPolicy()):
+        yield

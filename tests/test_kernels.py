@@ -22,28 +22,20 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx import kernels
-from dflash_mlx.emulate import EmulationError, run_kernel
+from dflash_mlx import acceptance, draft_injection, kernels
+from dflash_mlx.emulate import EmulationError
 from dflash_mlx.kernels import kv_inject as kvi
 from dflash_mlx.kernels import verify_greedy as vg
-from dflash_mlx.verify import greedy_verify, greedy_verify_reference
+from dflash_mlx.kernels.emulated import emulated_backend, run_kernel
+from dflash_mlx.verify import greedy_verify
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
 
 
-@pytest.fixture(autouse=True)
-def fresh_kernels(monkeypatch):
-    """Each test starts with unchecked kernels and no forced reference."""
-    monkeypatch.delenv(kernels.REFERENCE_ENV, raising=False)
-    for k in kernels.KERNELS.values():
-        k.reset()
-    yield
-    for k in kernels.KERNELS.values():
-        k.reset()
 
 
 def emulated(**kw):
-    return kernels.use_backend(kernels.emulated_backend(**kw))
+    return kernels.use_backend(emulated_backend(**kw))
 
 
 # ---------------------------------------------------------------- verify_greedy
@@ -195,11 +187,11 @@ class BogusKernel:
 
 def test_reference_without_metal():
     logits, drafted = vg.make_inputs(np.random.default_rng(0), 2, 4, 50)
-    assert kernels.current_backend().name == "metal" and not mx.metal.is_available()
+    assert kernels.current_policy().backend.name == "metal" and not mx.metal.is_available()
     assert vg.KERNEL.reference_reason(logits, drafted) == "no metal backend"
     assert kernels.status() == {name: "reference (no metal backend)" for name in kernels.KERNELS}
     got = greedy_verify(logits, drafted)
-    want = greedy_verify_reference(logits, drafted)
+    want = acceptance.greedy(logits, drafted)
     assert all(mx.array_equal(g, w) for g, w in zip(got, want))
 
 
@@ -212,7 +204,7 @@ def test_wrong_kernel_stand_in_warns_once_and_falls_back():
             for _ in range(3):
                 logits, drafted = vg.make_inputs(rng, 2, 5, 100)
                 got = greedy_verify(logits, drafted)
-                want = greedy_verify_reference(logits, drafted)
+                want = acceptance.greedy(logits, drafted)
                 assert all(mx.array_equal(g, w) for g, w in zip(got, want))
         assert len([w for w in record if "self-check" in str(w.message)]) == 1
         assert BogusKernel.calls == 1  # the self-check only; never used afterwards
@@ -229,7 +221,7 @@ def test_kernel_that_fails_to_build_falls_back():
         with pytest.warns(RuntimeWarning, match="Unable to build metal library"):
             accepted, token = greedy_verify(logits, drafted)
         assert "RuntimeError" in kernels.get("verify_greedy").status()
-    assert (accepted.tolist(), token.tolist()) == tuple(x.tolist() for x in greedy_verify_reference(logits, drafted))
+    assert (accepted.tolist(), token.tolist()) == tuple(x.tolist() for x in acceptance.greedy(logits, drafted))
 
 
 @needs_gxx
@@ -248,7 +240,7 @@ def test_mutated_source_fails_self_check_through_the_emulator():
             results = [greedy_verify(logits, drafted) for _ in range(3)]
     messages = [str(w.message) for w in record]
     assert len(messages) == 1 and "'verify_greedy' failed its self-check (packed: " in messages[0]
-    want = greedy_verify_reference(logits, drafted)
+    want = acceptance.greedy(logits, drafted)
     for got in results:
         assert all(mx.array_equal(a, b) for a, b in zip(got, want))
 
@@ -264,7 +256,7 @@ def test_correct_kernel_passes_self_check_and_runs():
         # shapes outside the kernel's range go to the reference
         big = mx.zeros((1, 65, 10))
         assert vg.KERNEL.reference_reason(big, mx.zeros((1, 64), mx.int32)) == "block of 65 (kernel: 2..64)"
-    want = greedy_verify_reference(logits, drafted)
+    want = acceptance.greedy(logits, drafted)
     assert all(mx.array_equal(g, w) for g, w in zip(got, want))
 
 
@@ -276,9 +268,11 @@ def test_environment_variable_forces_the_reference(monkeypatch, value, forced):
     BogusKernel.calls = 0
     forced = set(kernels.KERNELS) if forced is None else forced
     monkeypatch.setenv(kernels.REFERENCE_ENV, value)
-    with kernels.use_backend(kernels.Backend("spy", lambda: True, BogusKernel)):
+    policy = kernels.KernelPolicy.from_env(backend=kernels.Backend("spy", lambda: True, BogusKernel))
+    monkeypatch.delenv(kernels.REFERENCE_ENV)  # read once, when the policy is made
+    with kernels.use_policy(policy):
         for name, kernel in kernels.KERNELS.items():
-            inputs, params = kernel.spec.sample(np.random.default_rng(0))
+            inputs, params = kernel.sample(np.random.default_rng(0))
             reason = kernel.reference_reason(*inputs, **params)
             if name in forced:
                 assert reason == f"forced by {kernels.REFERENCE_ENV}"
@@ -345,7 +339,7 @@ ROPES = {
 @pytest.mark.parametrize("rope", ROPES.values(), ids=ROPES.keys())
 def test_stacked_injection_equals_layer_by_layer(rope):
     draft = _draft(rope)
-    assert kvi.plan_reason(draft)[1] is None
+    assert draft_injection.plan_reason(draft)[1] is None
     features = mx.array(np.random.default_rng(5).normal(size=(2, 9, 64)), dtype=mx.float32)
     got = _injected(draft, features, chunks=(1, 3))
     want = _per_layer_injected(draft, features)
@@ -363,7 +357,7 @@ def test_unsupported_rope_falls_back_with_its_reason():
     for (gk, gv), (wk, wv) in zip(got, want):
         assert mx.array_equal(gk, wk) and mx.array_equal(gv, wv)
     draft.layers[0].self_attn.rope = nn.RoPE(16, traditional=True)
-    assert "traditional" in kvi.plan_reason(draft)[1]
+    assert "traditional" in draft_injection.plan_reason(draft)[1]
 
 
 def test_stacking_keeps_parameters_and_follows_new_weights():
@@ -375,7 +369,7 @@ def test_stacking_keeps_parameters_and_follows_new_weights():
     assert set(after) == set(before)
     for k, v in after.items():
         np.testing.assert_array_equal(np.array(v), before[k])
-    plan = getattr(draft, "_dflash_injection_plan")
+    plan = draft.injection_plan
     assert len(plan.groups) == 1  # one matmul for all layers' K and V
     # new weights (e.g. load_weights) invalidate the stacked copy
     fresh = _draft(seed=9)
@@ -384,7 +378,7 @@ def test_stacking_keeps_parameters_and_follows_new_weights():
     want = _per_layer_injected(fresh, features)
     for (gk, _), (wk, _) in zip(got, want):
         np.testing.assert_allclose(np.array(gk), np.array(wk), rtol=1e-5, atol=1e-5)
-    assert getattr(draft, "_dflash_injection_plan") is not plan
+    assert draft.injection_plan is not plan
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["4-bit", "mixed 4/8-bit"])
@@ -400,7 +394,7 @@ def test_quantized_draft_uses_stacked_quantized_matmuls(mixed):
     features = mx.array(np.random.default_rng(8).normal(size=(1, 6, 64)), dtype=mx.float32)
     got = _injected(draft, features)
     want = _per_layer_injected(draft, features)
-    plan = getattr(draft, "_dflash_injection_plan")
+    plan = draft.injection_plan
     assert len(plan.groups) == (2 if mixed else 1)
     for (gk, gv), (wk, wv) in zip(got, want):
         np.testing.assert_allclose(np.array(gk), np.array(wk), rtol=1e-5, atol=1e-5)

@@ -10,14 +10,6 @@ from dflash_mlx import doctor, kernels
 from dflash_mlx.cli import app
 
 
-@pytest.fixture(autouse=True)
-def fresh_kernels(monkeypatch):
-    monkeypatch.delenv(kernels.REFERENCE_ENV, raising=False)
-    for k in kernels.KERNELS.values():
-        k.reset()
-    yield
-    for k in kernels.KERNELS.values():
-        k.reset()
 
 
 def test_doctor_command_reports_everything():
@@ -44,7 +36,7 @@ def test_doctor_shows_forced_active_and_disabled_kernels(monkeypatch):
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
 
     monkeypatch.setenv(kernels.REFERENCE_ENV, "verify_greedy")
-    with kernels.use_backend(kernels.Backend("wrong", lambda: True, Wrong)):
+    with kernels.use_policy(kernels.KernelPolicy.from_env(backend=kernels.Backend("wrong", lambda: True, Wrong))):
         with pytest.warns(RuntimeWarning, match="kv_inject"):
             rows = dict(doctor.collect())
     assert rows["kernel verify_greedy"] == f"reference (forced by {kernels.REFERENCE_ENV})"

@@ -32,24 +32,17 @@ from mlx_lm.models.cache import ArraysCache
 from dflash_mlx import Target, kernels
 from dflash_mlx import gated_delta as gd_adapter
 from dflash_mlx.decoder import SpeculativeDecoder
-from dflash_mlx.emulate import EmulationError, metal_kernel, run_kernel
+from dflash_mlx.emulate import EmulationError, metal_kernel
+from dflash_mlx.kernels.emulated import emulated_backend, run_kernel
 from dflash_mlx.kernels import gdn
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
 
 
-@pytest.fixture(autouse=True)
-def fresh_kernels(monkeypatch):
-    monkeypatch.delenv(kernels.REFERENCE_ENV, raising=False)
-    for k in kernels.KERNELS.values():
-        k.reset()
-    yield
-    for k in kernels.KERNELS.values():
-        k.reset()
 
 
 def emulated(**kw):
-    return kernels.use_backend(kernels.emulated_backend(**kw))
+    return kernels.use_backend(emulated_backend(**kw))
 
 
 # ---------------------------------------------------------------- verify vs reference
@@ -177,14 +170,14 @@ def test_a_mutated_kernel_fails_the_comparison(kernel, text, replacement, what):
 # ---------------------------------------------------------------- dispatch
 def test_uncovered_inputs_go_to_the_reference_with_a_reason():
     q, k, v, g, beta, state = gdn.make_inputs(np.random.default_rng(0), B=1, T=2, Hk=1, Hv=2, Dk=32, Dv=8)
-    why = gdn.VERIFY.spec.unsupported
+    why = gdn.VERIFY.unsupported
     assert why(q, k, v, g, beta, state) is None
     q48, k48, _, _, _, _ = gdn.make_inputs(np.random.default_rng(0), B=1, T=2, Hk=1, Hv=2, Dk=48, Dv=8)
     assert why(q48, k48, v, g, beta, mx.zeros((1, 2, 8, 48))) == "Dk = 48 (kernel: a multiple of 32 up to 256)"
     vector_g = mx.ones((1, 2, 2, 32))
     assert why(q, k, v, vector_g, beta, state).startswith("g must be [B, T, Hv] float32 (vector gating")
     assert why(q, k, v, g, beta, state.astype(mx.bfloat16)) == "state must be [B, Hv, Dv, Dk] float32"
-    assert gdn.REPLAY.spec.unsupported(k, v, g, beta, state, mx.array([1, 2], dtype=mx.int32)) == \
+    assert gdn.REPLAY.unsupported(k, v, g, beta, state, mx.array([1, 2], dtype=mx.int32)) == \
         "keep has 2 entries for 1 sequences"
 
 
@@ -344,7 +337,7 @@ def test_on_device_parity(dtype, shape):
     q, k, v, g, beta, state = gdn.make_inputs(np.random.default_rng(0), B=B, T=T, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv,
                                               dtype=dtype)
     got = gdn.VERIFY.launch(q, k, v, g, beta, state)
-    assert gdn.VERIFY.spec.compare(got, gdn.verify_reference(q, k, v, g, beta, state), (q, k, v, g, beta, state),
+    assert gdn.VERIFY.compare(got, gdn.VERIFY.reference(q, k, v, g, beta, state), (q, k, v, g, beta, state),
                                    {}) is None
     for keep in range(T + 1):
         (replayed,) = gdn.REPLAY.launch(k, v, g, beta, state, mx.full((B,), keep, dtype=mx.int32))

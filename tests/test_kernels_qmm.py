@@ -33,7 +33,9 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx import kernels
-from dflash_mlx.emulate import EmulationError, metal_kernel, run_kernel
+from dflash_mlx import verify_matmuls
+from dflash_mlx.emulate import EmulationError, metal_kernel
+from dflash_mlx.kernels.emulated import emulated_backend, run_kernel
 from dflash_mlx.kernels import qmm
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
@@ -43,18 +45,10 @@ ROWS = [1, 3, 8, 16, 17, 32]
 EXACT_ULP = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}  # half an ulp
 
 
-@pytest.fixture(autouse=True)
-def fresh_kernels(monkeypatch):
-    monkeypatch.delenv(kernels.REFERENCE_ENV, raising=False)
-    for k in kernels.KERNELS.values():
-        k.reset()
-    yield
-    for k in kernels.KERNELS.values():
-        k.reset()
 
 
 def emulated(**kw):
-    return kernels.use_backend(kernels.emulated_backend(**kw))
+    return kernels.use_backend(emulated_backend(**kw))
 
 
 # ---------------------------------------------------------------- harness: simdgroup_matrix
@@ -321,7 +315,7 @@ def test_a_mutated_kernel_fails_the_comparison(text, replacement, what):
 def test_uncovered_inputs_go_to_the_reference_with_a_reason():
     inputs, params = qmm.make_inputs(np.random.default_rng(0), 4, 16, 128, bits=4, group_size=64)
     x, w, s, b = inputs
-    reason = qmm.KERNEL.spec.unsupported
+    reason = qmm.KERNEL.unsupported
     assert reason(*inputs, **params) is None
     assert reason(mx.zeros((33, 128)), w, s, b, **params) == "33 rows (kernel: 1..32)"
     w3, s3, b3 = mx.quantize(mx.zeros((16, 128)), group_size=64, bits=3)
@@ -339,7 +333,7 @@ def test_self_check_passes_and_the_kernel_runs_where_covered():
         assert qmm.KERNEL.status() == "active"
         assert qmm.KERNEL.active(*inputs, **params)
         (got,) = qmm.KERNEL(*inputs, **params)
-    assert qmm.KERNEL.spec.compare((got,), qmm.reference(*inputs, **params), inputs, params) is None
+    assert qmm.KERNEL.compare((got,), qmm.KERNEL.reference(*inputs, **params), inputs, params) is None
 
 
 # ---------------------------------------------------------------- the per-instance wrapper
@@ -363,7 +357,7 @@ def quantized_block(seed=0, **kw):
 
 def test_no_swap_without_a_kernel_backend():
     block = quantized_block()
-    with qmm.verification_matmuls(block) as swapped:
+    with verify_matmuls.verification_matmuls(block) as swapped:
         assert swapped == 0
         assert isinstance(block.up, nn.QuantizedLinear)
 
@@ -383,12 +377,12 @@ def test_swap_is_per_instance_and_only_inside_the_pass():
         return original_launch(*a, **k)
 
     with emulated():
-        assert qmm.enabled()  # the self-check ran (and launched) here
+        assert qmm.KERNEL.enabled()  # the self-check ran (and launched) here
         qmm.KERNEL.launch = counting_launch
         try:
-            with qmm.verification_matmuls(block) as swapped:
+            with verify_matmuls.verification_matmuls(block) as swapped:
                 assert swapped == 2  # up and down; a layer held in a list keeps MLX's matmul
-                assert isinstance(block.up, qmm.VerifyLinear) and isinstance(block.stack[0], nn.QuantizedLinear)
+                assert isinstance(block.up, verify_matmuls.VerifyLinear) and isinstance(block.stack[0], nn.QuantizedLinear)
                 assert isinstance(other.up, nn.QuantizedLinear)  # another instance: untouched
                 assert nn.QuantizedLinear.__call__ is call_before  # no class patched
                 # the parameter tree is the same arrays under the same names
@@ -414,12 +408,12 @@ def test_wrapper_falls_back_for_other_modes_and_restores_after_errors():
     block.fp4 = fp4
     x = mx.array(np.random.default_rng(1).normal(size=(4, 128)).astype(np.float32))
     with emulated():
-        with qmm.verification_matmuls(block):
-            assert qmm.quantized_matmul(x, fp4) is None  # not affine: MLX's own matmul
-            assert isinstance(block.fp4, qmm.VerifyLinear)
+        with verify_matmuls.verification_matmuls(block):
+            assert verify_matmuls.quantized_matmul(x, fp4) is None  # not affine: MLX's own matmul
+            assert isinstance(block.fp4, verify_matmuls.VerifyLinear)
             np.testing.assert_array_equal(np.array(block.fp4(x)), np.array(fp4(x)))
         with pytest.raises(RuntimeError):
-            with qmm.verification_matmuls(block):
+            with verify_matmuls.verification_matmuls(block):
                 raise RuntimeError("the pass failed")
     assert isinstance(block.up, nn.QuantizedLinear) and block.fp4 is fp4
 
@@ -434,5 +428,5 @@ def test_on_device_parity(M, bits, group_size, dtype):
     inputs, params = qmm.make_inputs(np.random.default_rng(M), M, 4100, 4096, bits=bits,
                                      group_size=group_size, dtype=dtype)
     got = qmm.KERNEL.launch(*inputs, **params)
-    want = qmm.reference(*inputs, **params)
-    assert qmm.KERNEL.spec.compare(got, want, inputs, params) is None
+    want = qmm.KERNEL.reference(*inputs, **params)
+    assert qmm.KERNEL.compare(got, want, inputs, params) is None

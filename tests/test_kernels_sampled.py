@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from dflash_mlx import emulate, kernels
-from dflash_mlx.emulate import EmulationError, run_kernel
+from dflash_mlx import acceptance, emulate, kernels
+from dflash_mlx.emulate import EmulationError
+from dflash_mlx.kernels.emulated import emulated_backend, run_kernel
 from dflash_mlx.kernels import verify_sampled as vs
 from dflash_mlx.kernels.registry import mismatch
 from dflash_mlx.verify import sampled_verify
@@ -37,14 +38,6 @@ from dflash_mlx.verify import sampled_verify
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
 
 
-@pytest.fixture(autouse=True)
-def fresh_kernels(monkeypatch):
-    monkeypatch.delenv(kernels.REFERENCE_ENV, raising=False)
-    for k in kernels.KERNELS.values():
-        k.reset()
-    yield
-    for k in kernels.KERNELS.values():
-        k.reset()
 
 
 # ---------------------------------------------------------------- helpers
@@ -77,7 +70,7 @@ def exact_problem(inputs, source=None):
         got = emulate_kernel(*inputs, source=source)
     except EmulationError as e:  # the harness itself objects (memory, deadlock)
         return str(e)
-    return mismatch("packed", got, vs.sample_reference(*inputs, exp=harness_exp))
+    return mismatch("packed", got, acceptance.sampled(*inputs, exp=harness_exp))
 
 
 def log_softmax(x):
@@ -100,7 +93,7 @@ def random_inputs(rng, B, b, V, dtype=mx.float32, draft_dtype=None, scale=2.0):
 
 
 def unpacked(packed):
-    a, t = vs.unpack(packed)
+    a, t = acceptance.unpack(packed)
     return np.array(a).tolist(), np.array(t).tolist()
 
 
@@ -122,8 +115,8 @@ def test_matches_reference(shape):
     for accept in ([0] * B, [b - 1] * B, None):  # reject at once, accept all, random
         inputs, accepted = vs.make_inputs(rng, B, b, V, accept=accept)
         got = emulate_kernel(*inputs)
-        assert mismatch("packed", got, vs.sample_reference(*inputs)) is None  # plain mx.exp
-        assert mismatch("packed", got, vs.sample_reference(*inputs, exp=harness_exp)) is None
+        assert mismatch("packed", got, acceptance.sampled(*inputs)) is None  # plain mx.exp
+        assert mismatch("packed", got, acceptance.sampled(*inputs, exp=harness_exp)) is None
         assert unpacked(got)[0] == accepted
     assert exact_problem(random_inputs(rng, B, b, V)) is None
 
@@ -139,7 +132,7 @@ def test_dtypes(dtypes, shape):
     inputs, accepted = vs.make_inputs(rng, B, b, V, dtype=dtype, draft_dtype=draft_dtype)
     assert inputs[0].dtype == dtype and inputs[1].dtype == draft_dtype
     got = emulate_kernel(*inputs)
-    assert mismatch("packed", got, vs.sample_reference(*inputs)) is None
+    assert mismatch("packed", got, acceptance.sampled(*inputs)) is None
     assert unpacked(got)[0] == accepted
     assert exact_problem(random_inputs(rng, B, b, V, dtype, draft_dtype)) is None
 
@@ -149,7 +142,7 @@ def test_random_decisions_agree_with_the_mx_exp_reference():
     decision: measured 0 of 400 sequences here."""
     inputs = random_inputs(np.random.default_rng(11), 400, 4, 1000)
     got = np.array(emulate_kernel(*inputs))
-    want = np.array(vs.sample_reference(*inputs))
+    want = np.array(acceptance.sampled(*inputs))
     assert (got != want).mean() <= 0.01
 
 
@@ -171,7 +164,7 @@ def _stat_case(n=4000, V=8, b=3, seed=5):
 
 def _pvalues(packed, drafted, p):
     """x1 over all sequences ~ p_0; x2 over those that accepted d_1 ~ p_1."""
-    a, token = (np.array(x) for x in vs.unpack(packed))
+    a, token = (np.array(x) for x in acceptance.unpack(packed))
     d = np.array(drafted)
     x1 = np.where(a >= 1, d[:, 0], token)
     kept = a >= 1
@@ -191,7 +184,7 @@ def test_kernel_samples_follow_the_target_and_a_wrong_rule_is_caught():
     from p instead of the residual after a rejection is caught."""
     inputs, p = _stat_case()
     packed = emulate_kernel(*inputs)
-    assert mismatch("packed", packed, vs.sample_reference(*inputs, exp=harness_exp)) is None
+    assert mismatch("packed", packed, acceptance.sampled(*inputs, exp=harness_exp)) is None
     assert min(_pvalues(packed, inputs[2], p)) > 1e-4  # false failure <= 2e-4
     source = vs.KERNEL.source
     wrong = source.replace("const bool use_r = has_q && r_total > 0;", "const bool use_r = false;")
@@ -364,12 +357,11 @@ def test_sampled_verify_uses_the_kernel_where_active_and_the_reference_elsewhere
     assert got[0].dtype == mx.int32 and got[1].dtype == mx.int32
 
 
-def test_reference_switch_and_unsupported_shapes(monkeypatch):
+def test_reference_switch_and_unsupported_shapes():
     inputs, _ = vs.make_inputs(np.random.default_rng(10), 1, 3, 40)
-    with kernels.use_backend(kernels.emulated_backend()):
-        monkeypatch.setenv(kernels.REFERENCE_ENV, "verify_sampled")
+    with kernels.use_policy(kernels.KernelPolicy(emulated_backend(), frozenset({"verify_sampled"}))):
         assert vs.KERNEL.reference_reason(*inputs) == f"forced by {kernels.REFERENCE_ENV}"
-        monkeypatch.delenv(kernels.REFERENCE_ENV)
+    with kernels.use_backend(emulated_backend()):
         assert vs.KERNEL.active(*inputs)
         t = mx.zeros((1, 65, 10))
         assert vs.KERNEL.reference_reason(t, t[:, :64], mx.zeros((1, 64), mx.int32), mx.zeros((1, 66))) \
@@ -377,7 +369,7 @@ def test_reference_switch_and_unsupported_shapes(monkeypatch):
         assert "uniforms" in vs.KERNEL.reference_reason(*inputs[:3], inputs[3][:, :3])
 
 
-def test_sampling_loop_with_the_emulated_kernel(target_dirs, draft_dir, monkeypatch):
+def test_sampling_loop_with_the_emulated_kernel(target_dirs, draft_dir):
     """generate at temperature 1 with verify_sampled active (the other kernels
     forced to their references) gives the tokens of the reference path: same
     seed, same uniforms, same decisions."""
@@ -390,7 +382,6 @@ def test_sampling_loop_with_the_emulated_kernel(target_dirs, draft_dir, monkeypa
     run = lambda: generate(model, draft, tokenizer, "once upon a time", max_tokens=24, block_size=8,
                            temperature=1.0, top_p=0.9, seed=3).tokens
     want = run()
-    monkeypatch.setenv(kernels.REFERENCE_ENV, ",".join(k for k in kernels.KERNELS if k != "verify_sampled"))
     launches = []
 
     def counting(**kw):
@@ -401,7 +392,8 @@ def test_sampling_loop_with_the_emulated_kernel(target_dirs, draft_dir, monkeypa
             return inner(**args)
         return call
 
-    with kernels.use_backend(kernels.Backend("emulated-counting", lambda: True, counting)):
+    others = frozenset(k for k in kernels.KERNELS if k != "verify_sampled")
+    with kernels.use_policy(kernels.KernelPolicy(kernels.Backend("emulated-counting", lambda: True, counting), others)):
         got = run()
         assert vs.KERNEL.status() == "active"
     assert got == want and len(got) == 24

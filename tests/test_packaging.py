@@ -85,7 +85,7 @@ assert HEADER.is_file()
 print(sorted(p.name for p in k.metal_dir().iterdir()))
 """
     if shutil.which("g++"):  # the harness compiles and runs every kernel from the installed copy
-        script += "from dflash_mlx.emulate.__main__ import main\nassert main([]) == 0\n"
+        script += "from dflash_mlx.kernels.emulated import main\nassert main([]) == 0\n"
     out = run([python, "-c", script], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     where, names = out.stdout.splitlines()[:2]

@@ -1,45 +1,46 @@
-"""Custom Metal kernels (DESIGN.md section 4): registry, dispatch and self-checks.
+"""Custom Metal kernels: each a :class:`~.registry.Kernel` with its Metal body
+under ``metal/`` (shipped in the wheel as ``dflash_mlx/metal``), a pure-MLX
+reference with the same semantics, and dispatch through the kernel policy
+(docs/architecture.md, "Kernels"). Kernels take and return arrays only.
 
-Each kernel has a Metal body under ``metal/`` (shipped in the wheel as
-``dflash_mlx/metal``), a pure-MLX reference with the same semantics, and a
-dispatcher that runs the kernel only on Metal, only after it passed a one-time
-self-check against the reference, and never when ``DFLASH_MLX_REFERENCE`` asks
-for the reference (``1``/``all``, or a comma-separated list of kernel names).
-
-Registered kernels:
-
-- ``verify_greedy``: greedy block verification (see :mod:`.verify_greedy`),
-  used by :func:`dflash_mlx.verify.greedy_verify`.
+- ``verify_greedy``: greedy block verification, used by :mod:`dflash_mlx.verify`.
+- ``verify_sampled``: rejection-sampling block verification, likewise.
 - ``kv_inject``: every draft layer's k_norm + RoPE and K/V layout after one
-  stacked projection (see :mod:`.kv_inject`), used by ``DFlashDraft.inject``.
-- ``verify_sampled``: rejection-sampling block verification (see
-  :mod:`.verify_sampled`), used by :func:`dflash_mlx.verify.sampled_verify`.
-- ``qmm_verify``: quantized matmul for the 1..32 rows of a verified block (see
-  :mod:`.qmm`), used by the target's verify pass and its logits.
+  stacked projection, used by the draft's injection plan.
+- ``qmm_verify``: quantized matmul for the 1..32 rows of a verified block,
+  used by the target's verify pass (:mod:`dflash_mlx.verify_matmuls`).
 - ``gdn_verify``, ``gdn_replay``: GatedDeltaNet recurrence over a verified
-  block and its rollback by replay (see :mod:`.gdn`), used by
-  :mod:`dflash_mlx.gated_delta`.
+  block and its rollback by replay, used by :mod:`dflash_mlx.gated_delta`.
 
 On Linux the kernels are proven by running their sources through the CPU
-emulation harness (:mod:`dflash_mlx.emulate`): ``with use_backend(emulated_backend()):``.
+emulation harness: :mod:`.emulated` (``python -m dflash_mlx.kernels``).
 """
 
 from . import gdn, kv_inject, qmm, verify_greedy, verify_sampled
 from .registry import (
-    KERNELS,
     METAL,
     REFERENCE_ENV,
     Backend,
     Kernel,
-    KernelSpec,
+    KernelPolicy,
     Launch,
-    current_backend,
-    emulated_backend,
-    forced_reference,
-    get,
+    current_policy,
     metal_dir,
     use_backend,
+    use_policy,
 )
+
+KERNELS: dict[str, Kernel] = {
+    k.name: k
+    for k in (verify_greedy.KERNEL, verify_sampled.KERNEL, kv_inject.KERNEL, qmm.KERNEL, gdn.VERIFY, gdn.REPLAY)
+}
+
+
+def get(name: str) -> Kernel:
+    try:
+        return KERNELS[name]
+    except KeyError:
+        raise KeyError(f"no kernel named '{name}'; registered: {', '.join(sorted(KERNELS))}") from None
 
 
 def status(check: bool = True) -> dict[str, str]:
@@ -48,7 +49,7 @@ def status(check: bool = True) -> dict[str, str]:
 
 
 __all__ = [
-    "KERNELS", "METAL", "REFERENCE_ENV", "Backend", "Kernel", "KernelSpec", "Launch",
-    "current_backend", "emulated_backend", "forced_reference", "gdn", "get", "kv_inject", "metal_dir", "qmm",
-    "status", "use_backend", "verify_greedy", "verify_sampled",
+    "KERNELS", "METAL", "REFERENCE_ENV", "Backend", "Kernel", "KernelPolicy", "Launch",
+    "current_policy", "gdn", "get", "kv_inject", "metal_dir", "qmm", "status", "use_backend",
+    "use_policy", "verify_greedy", "verify_sampled",
 ]

@@ -3,8 +3,8 @@
 
 Qwen3.5/3.6 hybrid targets keep, per GatedDeltaNet layer, a recurrent state
 [B, Hv, Dv, Dk] in float32. Verifying a block of b tokens advances it b steps;
-after a+1 tokens are accepted it must be the state after a+1 steps (DESIGN.md
-section 2, rollback).
+after a+1 tokens are accepted it must be the state after a+1 steps
+(docs/architecture.md, "Rollback").
 
 - ``gdn_verify`` runs the recurrence over the block (output and final state),
   exactly the semantics of mlx-lm's ``gated_delta_update`` (reference: mlx-lm's
@@ -30,7 +30,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .registry import KernelSpec, Launch, mismatch, register
+from .registry import Kernel, Launch, mismatch
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 MAX_DK = 256  # 8 state elements per lane
@@ -76,32 +76,6 @@ def _launch_shape(k, v) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     return (32, Dv, B * Hv), (32, 4, 1)
 
 
-# ---------------------------------------------------------------- verify
-def verify_reference(q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
-    """mlx-lm's ops path of ``gated_delta_update`` after its g and beta."""
-    return tuple(_gated_delta().gated_delta_ops(q, k, v, g, beta, state))
-
-
-def verify_inputs(q, k, v, g, beta, state) -> list:
-    return [q, k, v, g, beta, state]
-
-
-def verify_configure(q, k, v, g, beta, state) -> Launch:
-    grid, tg = _launch_shape(k, v)
-    B, T, _, Dk = k.shape
-    Hv, Dv = v.shape[2], v.shape[3]
-    return Launch(
-        grid=grid, threadgroup=tg,
-        output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
-        output_dtypes=[q.dtype, mx.float32],
-        template=[("InT", q.dtype), ("Dk", Dk)],
-    )
-
-
-def verify_unsupported(q, k, v, g, beta, state) -> Optional[str]:
-    return _unsupported(q, k, v, g, beta, state)
-
-
 def state_tolerance(k: mx.array, state: mx.array, steps: int) -> float:
     """Absolute tolerance for states: each step's two Dk-term float sums may
     round differently in another order (about Dk units of 2^-24 each), carried
@@ -109,54 +83,6 @@ def state_tolerance(k: mx.array, state: mx.array, steps: int) -> float:
     Dk = k.shape[-1]
     peak = max(float(mx.max(mx.abs(state))), 1.0)
     return 4 * Dk * max(steps, 1) * 2.0**-24 * peak
-
-
-def verify_compare(got, want, inputs, params) -> Optional[str]:
-    q, k, v, g, beta, state = inputs
-    T = k.shape[1]
-    tol = state_tolerance(k, want[1], T)
-    ulp = Y_ULPS[q.dtype]
-    return mismatch("y", got[0], want[0], rtol=ulp, atol=tol + ulp) or mismatch("state", got[1], want[1], atol=tol)
-
-
-# ---------------------------------------------------------------- replay
-def replay_reference(k, v, g, beta, state, keep) -> tuple[mx.array]:
-    """The state after the first keep[s] steps: mlx-lm's ops path with the later
-    steps masked off (a masked step leaves the state as it was)."""
-    T = k.shape[1]
-    keep = mx.array(keep, dtype=mx.int32).reshape(-1)
-    mask = mx.arange(T)[None, :] < keep[:, None]
-    _, out = _gated_delta().gated_delta_ops(k, k, v, g, beta, state, mask)
-    return (out,)
-
-
-def replay_inputs(k, v, g, beta, state, keep) -> list:
-    return [k, v, g, beta, state, mx.array(keep, dtype=mx.int32).reshape(-1)]
-
-
-def replay_configure(k, v, g, beta, state, keep) -> Launch:
-    grid, tg = _launch_shape(k, v)
-    return Launch(
-        grid=grid, threadgroup=tg,
-        output_shapes=[tuple(state.shape)],
-        output_dtypes=[mx.float32],
-        template=[("InT", k.dtype), ("Dk", k.shape[-1])],
-    )
-
-
-def replay_unsupported(k, v, g, beta, state, keep) -> Optional[str]:
-    problem = _unsupported(k, k, v, g, beta, state)
-    if problem:
-        return problem
-    keep = mx.array(keep).reshape(-1)
-    if keep.size != k.shape[0]:
-        return f"keep has {keep.size} entries for {k.shape[0]} sequences"
-    return None
-
-
-def replay_compare(got, want, inputs, params) -> Optional[str]:
-    k, v, g, beta, state, keep = inputs
-    return mismatch("state", got[0], want[0], atol=state_tolerance(k, want[0], k.shape[1]))
 
 
 # ---------------------------------------------------------------- inputs
@@ -182,42 +108,89 @@ def make_inputs(rng: np.random.Generator, *, B: int, T: int, Hk: int, Hv: int, D
     return q, k, v, g, beta, state
 
 
-def verify_sample(rng: np.random.Generator) -> tuple[tuple, dict]:
-    return make_inputs(rng, B=2, T=5, Hk=1, Hv=2, Dk=64, Dv=8), {}
+class GdnVerify(Kernel):
+    name = "gdn_verify"
+    source_file = "gdn_verify.metal"
+    input_names = ("q", "k", "v", "g", "beta", "state")
+    output_names = ("y", "state_out")
+    description = "GatedDeltaNet recurrence over a verified block (output and final state)"
+
+    def reference(self, q, k, v, g, beta, state) -> tuple[mx.array, mx.array]:
+        """mlx-lm's ops path of ``gated_delta_update`` after its g and beta."""
+        return tuple(_gated_delta().gated_delta_ops(q, k, v, g, beta, state))
+
+    def configure(self, q, k, v, g, beta, state) -> Launch:
+        grid, tg = _launch_shape(k, v)
+        B, T, _, Dk = k.shape
+        Hv, Dv = v.shape[2], v.shape[3]
+        return Launch(
+            grid=grid, threadgroup=tg,
+            output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
+            output_dtypes=[q.dtype, mx.float32],
+            template=[("InT", q.dtype), ("Dk", Dk)],
+        )
+
+    def unsupported(self, q, k, v, g, beta, state) -> Optional[str]:
+        return _unsupported(q, k, v, g, beta, state)
+
+    def compare(self, got, want, inputs, params) -> Optional[str]:
+        q, k, v, g, beta, state = inputs
+        T = k.shape[1]
+        tol = state_tolerance(k, want[1], T)
+        ulp = Y_ULPS[q.dtype]
+        return mismatch("y", got[0], want[0], rtol=ulp, atol=tol + ulp) or mismatch("state", got[1], want[1], atol=tol)
+
+    def sample(self, rng: np.random.Generator) -> tuple[tuple, dict]:
+        return make_inputs(rng, B=2, T=5, Hk=1, Hv=2, Dk=64, Dv=8), {}
 
 
-def replay_sample(rng: np.random.Generator) -> tuple[tuple, dict]:
-    q, k, v, g, beta, state = make_inputs(rng, B=3, T=5, Hk=1, Hv=2, Dk=32, Dv=8)
-    return (k, v, g, beta, state, mx.array([0, 2, 5], dtype=mx.int32)), {}
+class GdnReplay(Kernel):
+    name = "gdn_replay"
+    source_file = "gdn_replay.metal"
+    input_names = ("k", "v", "g", "beta", "state", "keep")
+    output_names = ("state_out",)
+    description = "GatedDeltaNet rollback: the state after keep[s] steps of the block, replayed"
+
+    def reference(self, k, v, g, beta, state, keep) -> tuple[mx.array]:
+        """The state after the first keep[s] steps: mlx-lm's ops path with the later
+        steps masked off (a masked step leaves the state as it was)."""
+        T = k.shape[1]
+        keep = mx.array(keep, dtype=mx.int32).reshape(-1)
+        mask = mx.arange(T)[None, :] < keep[:, None]
+        _, out = _gated_delta().gated_delta_ops(k, k, v, g, beta, state, mask)
+        return (out,)
+
+    def kernel_inputs(self, k, v, g, beta, state, keep) -> list:
+        return [k, v, g, beta, state, mx.array(keep, dtype=mx.int32).reshape(-1)]
+
+    def configure(self, k, v, g, beta, state, keep) -> Launch:
+        grid, tg = _launch_shape(k, v)
+        return Launch(
+            grid=grid, threadgroup=tg,
+            output_shapes=[tuple(state.shape)],
+            output_dtypes=[mx.float32],
+            template=[("InT", k.dtype), ("Dk", k.shape[-1])],
+        )
+
+    def unsupported(self, k, v, g, beta, state, keep) -> Optional[str]:
+        problem = _unsupported(k, k, v, g, beta, state)
+        if problem:
+            return problem
+        keep = mx.array(keep).reshape(-1)
+        if keep.size != k.shape[0]:
+            return f"keep has {keep.size} entries for {k.shape[0]} sequences"
+        return None
+
+    def compare(self, got, want, inputs, params) -> Optional[str]:
+        k, v, g, beta, state, keep = inputs
+        return mismatch("state", got[0], want[0], atol=state_tolerance(k, want[0], k.shape[1]))
+
+    def sample(self, rng: np.random.Generator) -> tuple[tuple, dict]:
+        q, k, v, g, beta, state = make_inputs(rng, B=3, T=5, Hk=1, Hv=2, Dk=32, Dv=8)
+        return (k, v, g, beta, state, mx.array([0, 2, 5], dtype=mx.int32)), {}
 
 
-VERIFY = register(KernelSpec(
-    name="gdn_verify",
-    source_file="gdn_verify.metal",
-    input_names=("q", "k", "v", "g", "beta", "state"),
-    output_names=("y", "state_out"),
-    reference=verify_reference,
-    kernel_inputs=verify_inputs,
-    configure=verify_configure,
-    sample=verify_sample,
-    compare=verify_compare,
-    unsupported=verify_unsupported,
-    description="GatedDeltaNet recurrence over a verified block (output and final state)",
-))
+VERIFY = GdnVerify()
+REPLAY = GdnReplay()
 
-REPLAY = register(KernelSpec(
-    name="gdn_replay",
-    source_file="gdn_replay.metal",
-    input_names=("k", "v", "g", "beta", "state", "keep"),
-    output_names=("state_out",),
-    reference=replay_reference,
-    kernel_inputs=replay_inputs,
-    configure=replay_configure,
-    sample=replay_sample,
-    compare=replay_compare,
-    unsupported=replay_unsupported,
-    description="GatedDeltaNet rollback: the state after keep[s] steps of the block, replayed",
-))
-
-
-__all__ = ["REPLAY", "VERIFY", "make_inputs", "replay_reference", "verify_reference"]
+__all__ = ["REPLAY", "VERIFY", "GdnReplay", "GdnVerify", "make_inputs", "state_tolerance"]

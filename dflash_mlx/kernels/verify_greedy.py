@@ -7,8 +7,8 @@ length and the target's token after it::
     packed = (accepted << ACCEPT_SHIFT) | token
 
 The loop synchronises on ``packed`` only. The semantics are those of
-:func:`dflash_mlx.verify.greedy_verify_reference`; a rejection-sampling kernel
-can use the same packed result.
+:func:`dflash_mlx.acceptance.greedy`; the rejection-sampling kernel uses the
+same packed result.
 """
 
 from __future__ import annotations
@@ -18,70 +18,17 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .registry import KernelSpec, Launch, mismatch, register
+from ..acceptance import MAX_BLOCK, MAX_VOCAB, greedy, pack, unpack
+from .registry import Kernel, Launch
 
-ACCEPT_SHIFT = 24
-TOKEN_MASK = (1 << ACCEPT_SHIFT) - 1
-MAX_VOCAB = 1 << ACCEPT_SHIFT
-MAX_BLOCK = 64  # (63 << 24) | token < 2^30, the init value
-INIT = float(1 << 30)
+INIT = float(1 << 30)  # above any packed result: (63 << 24) | token < 2^30
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-
-
-def pack(accepted: mx.array, token: mx.array) -> mx.array:
-    return (accepted.astype(mx.int32) << ACCEPT_SHIFT) | token.astype(mx.int32)
-
-
-def unpack(packed: mx.array) -> tuple[mx.array, mx.array]:
-    """(accepted [B] int32, token [B] int32) from the kernel's packed result."""
-    return packed >> ACCEPT_SHIFT, packed & TOKEN_MASK
 
 
 def threadgroup_width(vocab: int) -> int:
     """Threads per row: enough for ~8 logits each, a multiple of 32, at most 1024."""
     want = -(-vocab // 8)
     return int(min(1024, max(32, -(-want // 32) * 32)))
-
-
-def reference(logits: mx.array, drafted: mx.array) -> tuple[mx.array, mx.array]:
-    from ..verify import greedy_verify_reference
-
-    accepted, token = greedy_verify_reference(logits, drafted)
-    return mx.argmax(logits, axis=-1).astype(mx.int32), pack(accepted, token)
-
-
-def kernel_inputs(logits: mx.array, drafted: mx.array) -> list:
-    return [logits, drafted.astype(mx.int32)]
-
-
-def configure(logits: mx.array, drafted: mx.array) -> Launch:
-    B, b, V = logits.shape
-    width = threadgroup_width(V)
-    return Launch(
-        grid=(width, b, B),
-        threadgroup=(width, 1, 1),
-        output_shapes=[(B, b), (B,)],
-        output_dtypes=[mx.int32, mx.int32],
-        template=[("T", logits.dtype)],
-        init_value=INIT,
-    )
-
-
-def unsupported(logits: mx.array, drafted: mx.array) -> Optional[str]:
-    if logits.ndim != 3 or drafted.ndim != 2:
-        return "logits must be [B, b, V] and drafted [B, b-1]"
-    B, b, V = logits.shape
-    if tuple(drafted.shape) != (B, b - 1):
-        return f"drafted has shape {tuple(drafted.shape)}, expected {(B, b - 1)}"
-    if logits.dtype not in DTYPES:
-        return f"logits dtype {logits.dtype} (kernel: float32, float16, bfloat16)"
-    if not 2 <= b <= MAX_BLOCK:
-        return f"block of {b} (kernel: 2..{MAX_BLOCK})"
-    if not 1 <= V <= MAX_VOCAB:
-        return f"vocabulary of {V} (kernel: up to {MAX_VOCAB})"
-    if drafted.dtype not in (mx.int32, mx.uint32, mx.int64, mx.uint64, mx.int16, mx.uint16):
-        return f"drafted dtype {drafted.dtype}"
-    return None
 
 
 def make_inputs(rng: np.random.Generator, B: int, b: int, V: int, dtype=mx.float32,
@@ -102,26 +49,54 @@ def make_inputs(rng: np.random.Generator, B: int, b: int, V: int, dtype=mx.float
     return logits, mx.array(drafted)
 
 
-def sample(rng: np.random.Generator) -> tuple[tuple, dict]:
-    logits, drafted = make_inputs(rng, 2, 5, 1000, accept=[2, 4])
-    return (logits, drafted), {}
+class VerifyGreedy(Kernel):
+    name = "verify_greedy"
+    source_file = "verify_greedy.metal"
+    input_names = ("logits", "drafted")
+    output_names = ("argmax", "packed")
+    atomic_outputs = True
+    description = "greedy block verification: row argmax, accepted length and next token in one launch"
+
+    def reference(self, logits: mx.array, drafted: mx.array) -> tuple[mx.array, mx.array]:
+        accepted, token = greedy(logits, drafted)
+        return mx.argmax(logits, axis=-1).astype(mx.int32), pack(accepted, token)
+
+    def kernel_inputs(self, logits: mx.array, drafted: mx.array) -> list:
+        return [logits, drafted.astype(mx.int32)]
+
+    def configure(self, logits: mx.array, drafted: mx.array) -> Launch:
+        B, b, V = logits.shape
+        width = threadgroup_width(V)
+        return Launch(
+            grid=(width, b, B),
+            threadgroup=(width, 1, 1),
+            output_shapes=[(B, b), (B,)],
+            output_dtypes=[mx.int32, mx.int32],
+            template=[("T", logits.dtype)],
+            init_value=INIT,
+        )
+
+    def unsupported(self, logits: mx.array, drafted: mx.array) -> Optional[str]:
+        if logits.ndim != 3 or drafted.ndim != 2:
+            return "logits must be [B, b, V] and drafted [B, b-1]"
+        B, b, V = logits.shape
+        if tuple(drafted.shape) != (B, b - 1):
+            return f"drafted has shape {tuple(drafted.shape)}, expected {(B, b - 1)}"
+        if logits.dtype not in DTYPES:
+            return f"logits dtype {logits.dtype} (kernel: float32, float16, bfloat16)"
+        if not 2 <= b <= MAX_BLOCK:
+            return f"block of {b} (kernel: 2..{MAX_BLOCK})"
+        if not 1 <= V <= MAX_VOCAB:
+            return f"vocabulary of {V} (kernel: up to {MAX_VOCAB})"
+        if drafted.dtype not in (mx.int32, mx.uint32, mx.int64, mx.uint64, mx.int16, mx.uint16):
+            return f"drafted dtype {drafted.dtype}"
+        return None
+
+    def sample(self, rng: np.random.Generator) -> tuple[tuple, dict]:
+        logits, drafted = make_inputs(rng, 2, 5, 1000, accept=[2, 4])
+        return (logits, drafted), {}
 
 
-def compare(got, want, inputs, params) -> Optional[str]:
-    return mismatch("argmax", got[0], want[0]) or mismatch("packed", got[1], want[1])
+KERNEL = VerifyGreedy()
 
-
-KERNEL = register(KernelSpec(
-    name="verify_greedy",
-    source_file="verify_greedy.metal",
-    input_names=("logits", "drafted"),
-    output_names=("argmax", "packed"),
-    reference=reference,
-    kernel_inputs=kernel_inputs,
-    configure=configure,
-    sample=sample,
-    compare=compare,
-    unsupported=unsupported,
-    atomic_outputs=True,
-    description="greedy block verification: row argmax, accepted length and next token in one launch",
-))
+__all__ = ["KERNEL", "VerifyGreedy", "make_inputs", "pack", "threadgroup_width", "unpack"]

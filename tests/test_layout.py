@@ -1,0 +1,154 @@
+"""The package's shape: no import cycles, the emulation harness stands alone,
+modules stay small, and every document the project cites is in the repository."""
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "dflash_mlx"
+# source folders and the package names they install as (pyproject's package-dir)
+SOURCES = {ROOT / "dflash_mlx": PACKAGE, ROOT / "convert": f"{PACKAGE}.convert"}
+MAX_LINES = 450
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module the package installs."""
+    found = {}
+    for folder, name in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = [name, *path.relative_to(folder).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of the package that ``name`` imports anywhere in its file
+    (function-level imports included: a lazy import is still a dependency)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def resolve(dotted: str) -> None:
+        while dotted and dotted not in known:
+            dotted = dotted.rpartition(".")[0]
+        if dotted:
+            found.add(dotted)
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                resolve(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                resolve(target if target in known else base)
+    found.discard(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]):
+    """One import cycle as a list of modules, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_relative_imports_resolve_to_modules(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from . import x\nfrom .y import f\nfrom .. import z\nimport p.q.r\n")
+    known = {"p.q", "p.q.x", "p.q.y", "p.z", "p"}
+    assert imports("p.q.m", path, known) == {"p.q.x", "p.q.y", "p.z", "p.q"}
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert f"{PACKAGE}.kernels.registry" in graph and f"{PACKAGE}.convert" in graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_emulation_harness_imports_nothing_of_the_package():
+    graph = import_graph()
+    harness = [m for m in graph if m == f"{PACKAGE}.emulate" or m.startswith(f"{PACKAGE}.emulate.")]
+    assert harness
+    for module in harness:
+        assert not {m for m in graph[module] if not m.startswith(f"{PACKAGE}.emulate")}, module
+
+
+def test_the_acceptance_rules_import_nothing_of_the_package():
+    assert import_graph()[f"{PACKAGE}.acceptance"] == set()
+
+
+def test_kernels_know_no_models():
+    """Kernels take and return arrays: nothing under kernels/ imports the draft,
+    the target or mlx.nn (model surgery belongs with the models)."""
+    for name, path in modules().items():
+        if name.startswith(f"{PACKAGE}.kernels"):
+            source = path.read_text()
+            assert "mlx.nn" not in source, name
+            deps = import_graph()[name]
+            allowed = {m for m in deps if m.startswith(f"{PACKAGE}.kernels")}
+            allowed |= {f"{PACKAGE}.emulate", f"{PACKAGE}.acceptance"}
+            assert deps <= allowed, f"{name} imports {sorted(deps - allowed)}"
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_modules_stay_small(name):
+    lines = modules()[name].read_text().count("\n")
+    assert lines <= MAX_LINES, f"{name} has {lines} lines (limit {MAX_LINES}): split it along its concerns"
+
+
+def tracked_text_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [ROOT / f for f in out.stdout.split() if f.endswith((".py", ".md", ".metal", ".h", ".toml"))]
+    return [f for f in files if f.exists()]
+
+
+def test_every_cited_document_is_in_the_repository():
+    missing = []
+    for path in tracked_text_files():
+        for cited in re.findall(r"[\w./-]*[\w-]\.md\b", path.read_text(errors="replace")):
+            if not ((ROOT / cited).exists() or (path.parent / cited).exists()):
+                missing.append(f"{path.relative_to(ROOT)} cites {cited}")
+    assert not missing, "\n".join(missing)
