@@ -113,11 +113,14 @@ class Engine:
         self.block_size = block_size
         self.max_queue = max_queue
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.started = int(time.time())
+        self.stats: dict = {}  # replaced (never mutated) by the worker after each request
+        # set by _load, on the worker thread:
+        self.target: Optional[Target] = None
+        self.draft = None
         self.tokenizer = None
         self.vocab_size = 0
         self.context_length: Optional[int] = None
-        self.started = int(time.time())
-        self.stats: dict = {}  # replaced (never mutated) by the worker after each request
         self.prefix_cache: Optional[PrefixCache] = None
         self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._lock = threading.Lock()
