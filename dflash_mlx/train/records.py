@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..chat import template_ids
 from ..errors import DFlashError
 
 TEXT_SUFFIXES_SKIPPED = {".npy", ".npz", ".safetensors", ".bin", ".gz", ".zip", ".pyc"}
@@ -79,12 +80,8 @@ def read_records(paths: Sequence[str]) -> list[Record]:
 
 
 def _chat(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
-        text = "\n".join(str(m.get("content", "")) for m in messages)
-        return tokenizer.encode(text)
-    return list(tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
-    ))
+    """Ids of a conversation exactly as generation would tokenize it."""
+    return template_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt)
 
 
 def record_ids(tokenizer, record: Record) -> tuple[list[int], int]:
