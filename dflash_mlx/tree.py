@@ -1,0 +1,84 @@
+"""DDTree construction: the B most likely prefixes of one draft block, as a tree.
+
+One draft forward gives a distribution per block position (d_1 .. d_{b-1}),
+each independent of the tokens before it. A prefix (t_1 .. t_d) scores
+sum_i log q_i(t_i); the tree is the ``budget`` best-scoring prefixes, found
+best-first: per position the top k = min(budget, V) tokens are taken on the
+device, sorted, and a heap on the host pops the best open prefix, then pushes
+its next sibling (same parent, next-ranked token) and its first child (one
+position deeper, top-ranked token). Both score no higher than the popped node,
+so pops come out in score order and every node's parent is popped before it.
+
+Index 0 of a ``Tree`` is the root: the pending token y (already chosen, not
+drafted). Nodes 1..n follow in pop order, so parents precede children.
+"""
+
+import heapq
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass
+class Tree:
+    tokens: list[int]  # [n+1]: the root token, then each node's token
+    parents: list[int]  # [n+1]: index of each node's parent; -1 for the root
+    depths: list[int]  # [n+1]: 0 for the root, d for a node drafting position d
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[dict[int, int]]:
+        """Per node: token -> index of the child carrying it."""
+        kids: list[dict[int, int]] = [{} for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            kids[self.parents[i]][self.tokens[i]] = i
+        return kids
+
+    def path(self, node: int) -> list[int]:
+        """Indices from the root to ``node``, both included."""
+        out = [node]
+        while self.parents[out[-1]] >= 0:
+            out.append(self.parents[out[-1]])
+        return out[::-1]
+
+
+def top_candidates(logprobs: mx.array, budget: int) -> tuple[mx.array, mx.array]:
+    """Per position, the k = min(budget, V) best (log-probs, tokens), best first:
+    two [b-1, k] arrays computed on the device."""
+    k = min(budget, logprobs.shape[-1])
+    logprobs = logprobs.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    values = mx.take_along_axis(logprobs, top, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(values, order, axis=-1), mx.take_along_axis(top, order, axis=-1)
+
+
+def build_tree(root: int, values: list[list[float]], tokens: list[list[int]], budget: int) -> Tree:
+    """The ``budget`` best prefixes under per-position ranked candidates
+    (``values[d][r]`` the log-prob of ``tokens[d][r]``, descending in r)."""
+    tree = Tree([root], [-1], [0])
+    depth_limit, k = len(values), len(values[0]) if values else 0
+    # entries: (-score, tie-break counter, depth index, rank, parent, parent's score)
+    heap = [(-values[0][0], 0, 0, 0, 0, 0.0)] if depth_limit and k else []
+    pushed = 1
+    while heap and len(tree) <= budget:
+        neg, _, d, r, parent, base = heapq.heappop(heap)
+        score, node = -neg, len(tree)
+        tree.tokens.append(tokens[d][r])
+        tree.parents.append(parent)
+        tree.depths.append(d + 1)
+        if r + 1 < k:
+            heapq.heappush(heap, (-(base + values[d][r + 1]), pushed, d, r + 1, parent, base))
+            pushed += 1
+        if d + 1 < depth_limit:
+            heapq.heappush(heap, (-(score + values[d + 1][0]), pushed, d + 1, 0, node, score))
+            pushed += 1
+    return tree
+
+
+def draft_tree(root: int, logprobs: mx.array, budget: int) -> Tree:
+    """The tree of ``budget`` nodes after ``root`` from draft log-probs [b-1, V]."""
+    values, tokens = top_candidates(logprobs, budget)
+    return build_tree(root, values.tolist(), tokens.tolist(), budget)
