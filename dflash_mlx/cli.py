@@ -323,13 +323,4 @@ def serve(
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Tokens per draft block. Default: the draft's trained size."),
 ):
     """OpenAI-compatible HTTP server (chat and text completions, streaming) over one DFlash pair."""
-    try:
-        from .registry import resolve_pair
-        from .server.command import check_options, serve as run_server
-
-        check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size)
-        run_server(resolve_pair(model, draft), host=host, port=port, max_tokens_limit=max_tokens_limit,
-                   api_key=api_key, max_queue=max_queue, prefix_cache_gb=prefix_cache_gb,
-                   block_size=block_size, log=lambda m: typer.echo(m, err=True))
-    except DFlashError as e:
-        _fail(str(e))
+    _call(".server.command", "main", **locals())

@@ -1,9 +1,10 @@
-"""Entry point of ``dflash-mlx serve`` (the CLI parses options and calls ``serve``)."""
+"""Entry point of ``dflash-mlx serve`` (the CLI parses options and calls ``main``)."""
 
-from typing import Callable, Optional
+import sys
+from typing import Optional
 
 from ..errors import DFlashError
-from ..registry import Pair
+from ..registry import Pair, resolve_pair
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -23,10 +24,25 @@ def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache
         raise DFlashError(f"--block-size must be at least 2, got {block_size}")
 
 
+def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_tokens_limit: int,
+         api_key: Optional[str], max_queue: int, prefix_cache_gb: float, block_size: Optional[int]) -> None:
+    """``dflash-mlx serve``: resolve the pair (the demo pair without --model)
+    and serve it; progress goes to stderr."""
+    pair = resolve_pair(model, draft)
+    if pair.demo:
+        _log("no --model given: serving the bundled demo pair (offline); pass --model for a real model")
+    serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb, block_size)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limit: int = 4096,
           api_key: Optional[str] = None, max_queue: int = 32, prefix_cache_gb: float = 2.0,
-          block_size: Optional[int] = None, log: Callable[[str], None] = print) -> None:
-    """Load ``pair`` on the worker thread, then serve it until interrupted."""
+          block_size: Optional[int] = None) -> None:
+    """Check the options, load ``pair`` on the worker thread, then serve it
+    until interrupted (DFlashError for a bad option or pair)."""
     import uvicorn
 
     from .app import Settings, create_app
@@ -34,14 +50,14 @@ def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limi
 
     check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size)
     if host not in LOOPBACK and api_key is None:
-        log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
+        _log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
     engine = Engine(pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9))
-    log(f"loading {pair.target} with draft {pair.draft}")
+    _log(f"loading {pair.target} with draft {pair.draft}")
     engine.start()
     name = "dflash-mlx-demo" if pair.demo else pair.target
     app = create_app(engine, Settings(name, max_tokens_limit, api_key, pair.enable_thinking))
-    log(f"serving '{name}' at http://{host}:{port}/v1 (one request decodes at a time; "
-        f"up to {max_queue} wait)")
+    _log(f"serving '{name}' at http://{host}:{port}/v1 (one request decodes at a time; "
+         f"up to {max_queue} wait)")
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:

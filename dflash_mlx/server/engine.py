@@ -134,6 +134,7 @@ class Engine:
         self._thread.start()
         self._ready.wait()
         if self._load_error is not None:
+            self._thread.join()  # ended: exiting with MLX still tearing it down aborts
             raise self._load_error
 
     def stop(self) -> None:
