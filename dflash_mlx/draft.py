@@ -1,15 +1,16 @@
-"""The DFlash draft network (DESIGN.md §2) and its config (both dialects, §3).
+"""The DFlash draft network and its config (both checkpoint dialects; see
+docs/architecture.md, "Drafting" and "Checkpoint formats").
 
 The draft has no embedding and no LM head: it borrows the target's. Target
 features are fused by ``fc`` + ``hidden_norm`` and injected as keys/values into
 every layer's context cache; the block attends to [context ; block]. Block
 positions are never left in the cache.
 
-Inside the block, ``full_attention`` layers see every block position and
-``sliding_attention`` layers are causal (position i sees block positions
-0..i), as z-lab's reference code runs the published drafts; a config's
-explicit ``is_causal`` sets every layer alike. Sliding layers also see only
-the last ``sliding_window`` context positions.
+Which keys a block query sees (:func:`visible`, the reference's rule): on
+``sliding_attention`` layers a query at absolute position t sees keys at
+positions s with t - s < ``sliding_window`` and, being causal, s <= t;
+``full_attention`` layers see every context and block position. A config's
+explicit ``is_causal`` sets causality for every layer alike.
 """
 
 from dataclasses import dataclass, field
@@ -27,6 +28,15 @@ from .kernels.registry import current_policy
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+
+
+def visible(query_positions: mx.array, key_positions: mx.array, window: Optional[int], causal: bool) -> mx.array:
+    """Boolean [..., Lq, Lk]: whether the query at each absolute position sees
+    the key at each absolute position (the window is per query, as z-lab's
+    reference draft masks it)."""
+    t, s = query_positions[..., :, None], key_positions[..., None, :]
+    seen = (t - s < window) if window is not None else mx.ones(t.shape[:-1] + s.shape[-1:], dtype=mx.bool_)
+    return seen & (s <= t) if causal else seen
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -217,13 +227,23 @@ class DraftAttention(nn.Module):
         q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
         keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
         cache.trim(L)  # the block is attended to, never kept
-        if self.sliding_window is not None:
-            keys = keys[..., -(self.sliding_window + L) :, :]
-            values = values[..., -(self.sliding_window + L) :, :]
-        # "causal" aligns the block's queries with the last L keys: context and earlier block positions
-        mask = "causal" if self.causal and L > 1 else None
+        start = self.first_visible(offset)
+        keys, values = keys[..., start:, :], values[..., start:, :]
+        mask = self.mask(offset, L, start)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def first_visible(self, offset: int) -> int:
+        """The oldest key position any query of a block at ``offset`` can see."""
+        return 0 if self.sliding_window is None else max(0, offset - self.sliding_window + 1)
+
+    def mask(self, offset: int, L: int, start: int = 0):
+        """The attention mask of a block of L queries at positions offset.. over
+        the keys of positions start..offset+L-1, in the cheapest exact form."""
+        window = self.sliding_window
+        if window is None or offset + L - start <= window:  # the window excludes nothing
+            return "causal" if self.causal and L > 1 else None
+        return visible(mx.arange(offset, offset + L), mx.arange(start, offset + L), window, self.causal)
 
 
 class DraftLayer(nn.Module):

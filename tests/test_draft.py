@@ -71,14 +71,19 @@ def reference_logits(draft: DFlashDraft, features, block_embeddings, embed):
             return k, (src @ w("self_attn.v_proj.weight").T).reshape(len(src), nkv, hd)
 
         kc, vc = kv(ctx, ctx_pos)
-        if kind == "sliding_attention":
-            kc, vc = kc[-cfg.sliding_window :], vc[-cfg.sliding_window :]
         kb, vb = kv(xn, blk_pos)
         K, Vv = np.concatenate([kc, kb]), np.concatenate([vc, vb])
         K, Vv = np.repeat(K, nh // nkv, axis=1), np.repeat(Vv, nh // nkv, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, K) / np.sqrt(hd)
-        if cfg.causal(kind):  # block position i sees block positions 0..i, and all the context
-            scores[:, :, len(kc):] += np.triu(np.full((b, b), -np.inf), k=1)
+        # the reference's mask: a query at t keeps key s with t - s < window
+        # (sliding layers) and s <= t (causal layers)
+        t, key = blk_pos[:, None], np.concatenate([ctx_pos, blk_pos])[None, :]
+        keep = np.ones((b, P + b), dtype=bool)
+        if kind == "sliding_attention":
+            keep &= t - key < cfg.sliding_window
+        if cfg.causal(kind):
+            keep &= key <= t
+        scores = np.where(keep[None], scores, -np.inf)
         attn = np.exp(scores - scores.max(-1, keepdims=True))
         attn /= attn.sum(-1, keepdims=True)
         out = np.einsum("hqk,khd->qhd", attn, Vv).reshape(b, nh * hd)
@@ -92,6 +97,8 @@ def reference_logits(draft: DFlashDraft, features, block_embeddings, embed):
 
 @pytest.mark.parametrize("context", [1, 3, 9])
 def test_block_logits_match_the_dflash_equations(context):
+    """With a window of 3 and a block of 4, context 9 leaves every block query a
+    different set of context keys (t - s < 3): the per-query rule is exercised."""
     draft = randomized(small_config())
     rng = np.random.default_rng(1)
     features = mx.array(rng.normal(size=(1, context, 2 * H)), dtype=mx.float32)
@@ -131,6 +138,37 @@ def test_causal_block_attention_follows_layer_type_or_explicit_is_causal(is_caus
     other = draft(embed[mx.array([[5, 7, 8, 9]])], cache)
     first_same = mx.allclose(other[:, 0], draft(embed[block], cache)[:, 0], atol=1e-6).item()
     assert first_same == all(want)
+
+
+@pytest.mark.parametrize("window", [2, 5, 6, 40])
+@pytest.mark.parametrize("is_causal", [None, False])
+def test_sliding_window_is_per_query(window, is_causal):
+    """Block position i (absolute p + i) sees context positions p+i-W+1..p-1:
+    a later query sees fewer context positions, never more than W - 1 - i.
+    Windows below, at and above the block and the context length."""
+    draft = randomized(small_config(sliding_window=window, layer_types=["sliding_attention"] * 3,
+                                    **({} if is_causal is None else {"is_causal": is_causal})))
+    rng = np.random.default_rng(window)
+    features = mx.array(rng.normal(size=(1, 11, 2 * H)), dtype=mx.float32)
+    embed = mx.array(rng.normal(size=(V, H)), dtype=mx.float32)
+    block = mx.array([[5, V - 1, V - 1, V - 1]])
+    cache = draft.make_cache()
+    draft.inject(features[:, :4], cache)
+    draft.inject(features[:, 4:], cache)
+    got = np.array(draft(embed[block], cache) @ embed.T)[0]
+    np.testing.assert_allclose(got, reference_logits(draft, features, embed[block], embed), rtol=1e-4, atol=1e-4)
+
+
+def test_training_mask_is_the_drafts_rule():
+    """The training forward sees, per block query, the same context as the draft."""
+    from dflash_mlx.train.objective import context_mask
+
+    anchors = mx.array([[6, 2]])
+    mask = np.array(context_mask(anchors, 10, 4, window=3))  # [1, 2, 4, 10]
+    for j, a in enumerate([6, 2]):
+        for i in range(4):
+            want = [(s < a) and (a + i - s < 3) for s in range(10)]
+            assert mask[0, j, i].tolist() == want
 
 
 def test_sliding_window_changes_what_the_block_sees():

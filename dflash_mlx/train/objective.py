@@ -27,31 +27,28 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..draft import DFlashDraft, DraftConfig
+from ..draft import DFlashDraft, DraftConfig, visible
 from ..target import Target
 from .config import DraftTrainConfig
 from .data import SequenceData
 from .progress import log
 
 
-def context_mask(anchors: mx.array, seq_len: int, window: Optional[int] = None) -> mx.array:
-    """Boolean [B, m, T]: block j sees context positions < anchor_j (and
-    >= anchor_j - window on sliding layers)."""
-    pos = mx.arange(seq_len)[None, None, :]
-    a = anchors[:, :, None]
-    mask = pos < a
-    if window is not None:
-        mask = mask & (pos >= a - window)
-    return mask
+def context_mask(anchors: mx.array, seq_len: int, block_size: int, window: Optional[int] = None) -> mx.array:
+    """Boolean [B, m, b, T]: block position i of block j (absolute position
+    anchor_j + i) sees context positions < anchor_j that its window reaches
+    (the draft's own rule, :func:`dflash_mlx.draft.visible`)."""
+    queries = anchors[:, :, None] + mx.arange(block_size)  # [B, m, b]
+    keys = mx.arange(seq_len)
+    return visible(queries, keys, window, causal=True) & (keys < anchors[:, :, None, None])
 
 
-def _block_attention(q, kc, vc, kb, vb, ctx_mask, scale, causal):
-    """Attention of every block over [its context ; itself] (causal inside the
-    block when ``causal``).
+def _block_attention(q, kc, vc, kb, vb, ctx_mask, blk_mask, scale):
+    """Attention of every block over [its context ; itself].
 
     q: [B, m, nh, b, hd]; kc, vc: [B, nkv, T, hd] (context, shared by all
     blocks); kb, vb: [B, m, nkv, b, hd] (each block's own keys); ctx_mask:
-    [B, m, T]. Scores are split into a context part and a b x b own-block
+    [B, m, b, T]; blk_mask: [b, b] (the same in every block). Scores are split into a context part and a b x b own-block
     part, so no block ever scores another block's keys. Returns [B, m, b, nh*hd].
     """
     B, m, nh, b, hd = q.shape
@@ -62,10 +59,8 @@ def _block_attention(q, kc, vc, kb, vb, ctx_mask, scale, causal):
     vb = vb.transpose(0, 2, 1, 3, 4)[:, :, None]
     s_ctx = (q.reshape(B, nkv, rep, m * b, hd) @ kc[:, :, None].swapaxes(-1, -2))
     s_ctx = s_ctx.reshape(B, nkv, rep, m, b, T)
-    s_ctx = mx.where(ctx_mask[:, None, None, :, None, :], s_ctx, -mx.inf)
-    s_blk = q @ kb.swapaxes(-1, -2)  # [B, nkv, rep, m, b, b]
-    if causal:
-        s_blk = mx.where(mx.tril(mx.ones((b, b), dtype=mx.bool_)), s_blk, -mx.inf)
+    s_ctx = mx.where(ctx_mask[:, None, None], s_ctx, -mx.inf)
+    s_blk = mx.where(blk_mask, q @ kb.swapaxes(-1, -2), -mx.inf)  # [B, nkv, rep, m, b, b]
     p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
     out = (p[..., :T].reshape(B, nkv, rep, m * b, T) @ vc[:, :, None]).reshape(B, nkv, rep, m, b, hd)
     out = out + p[..., T:] @ vb
@@ -93,17 +88,18 @@ def draft_train_forward(
     h = block_embeddings
     for layer in draft.layers:
         attn = layer.self_attn
-        window = attn.sliding_window
-        if window not in masks:
-            masks[window] = context_mask(anchors, T, window)
+        key = (attn.sliding_window, attn.causal)
+        if key not in masks:
+            relative = mx.arange(b)
+            masks[key] = (context_mask(anchors, T, b, attn.sliding_window),
+                          visible(relative, relative, attn.sliding_window, attn.causal))
         kc, vc = attn.keys_values(ctx, 0)  # [B, nkv, T, hd] at positions 0..T-1
         x = layer.input_layernorm(h).reshape(B * m, b, -1)
         q = attn.q_norm(attn.q_proj(x).reshape(B * m, b, attn.n_heads, -1))
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=offsets)  # [B*m, nh, b, hd]
         kb, vb = attn.keys_values(x, offsets)  # [B*m, nkv, b, hd] at anchor..anchor+b-1
         split = lambda t: t.reshape(B, m, *t.shape[1:])
-        out = _block_attention(split(q), kc, vc, split(kb), split(vb), masks[window], attn.scale,
-                               attn.causal)
+        out = _block_attention(split(q), kc, vc, split(kb), split(vb), *masks[key], attn.scale)
         h = h + attn.o_proj(out.reshape(B, m * b, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return draft.norm(h)
