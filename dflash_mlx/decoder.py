@@ -1,4 +1,5 @@
-"""The lossless block speculative loop (DESIGN.md §2), one cycle at a time.
+"""The lossless block speculative loop, one cycle at a time (docs/architecture.md,
+"Prefill", "Verification", "Rollback").
 
 ``SpeculativeDecoder`` owns the target cache. Each ``cycle()`` takes the
 proposer's b-1 tokens after the pending token y, verifies [y, d_1..d_{b-1}] in

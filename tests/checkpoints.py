@@ -1,7 +1,8 @@
 """Tiny deterministic checkpoints in the real on-disk formats, built on the fly.
 
 Targets are mlx-lm models saved with mlx-lm's own writers; drafts follow the
-z-lab Hugging Face layout (DESIGN.md section 3). Nothing touches the network.
+z-lab Hugging Face layout (docs/architecture.md, "Checkpoint formats"). Nothing
+touches the network.
 """
 
 import copy

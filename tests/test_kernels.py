@@ -1,6 +1,6 @@
 """The custom Metal kernels, proven without a Mac: each kernel's own source runs
 through the CPU emulation harness and is compared with its pure-MLX reference
-(DESIGN.md section 4); mutations of the source must be caught; the dispatcher
+(docs/architecture.md, "Kernels"); mutations of the source must be caught; the dispatcher
 falls back (and warns once) when a kernel fails its self-check; an environment
 variable forces the reference; and the loop stays lossless with the kernels in
 it. Emulated kernels are compiled once and cached by source hash.
