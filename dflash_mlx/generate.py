@@ -18,6 +18,7 @@ from .chat import encode
 from .decoder import ContextCache, DraftProposer, SpeculativeDecoder
 from .draft import DFlashDraft
 from .errors import DFlashError
+from .forward_check import check_forward
 from .sampling import BlockSampler, SamplingParams
 from .target import Target
 
@@ -147,6 +148,7 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt_ids = _encode(tokenizer, prompt, target.vocab_size)
+    check_forward(target, prompt_ids)
     if context is None:
         context = ContextCache(target.make_cache(), draft.make_cache())
     n = len(context.tokens)
