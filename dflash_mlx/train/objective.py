@@ -13,8 +13,9 @@ recipe (``docs/architecture.md``):
   layers, ``fc`` and norms are trained.
 
 Many blocks of one sequence are trained in one forward: every block's queries
-score the shared context keys, masked to positions < anchor_j (and >=
-anchor_j - window on sliding layers), plus its own block's keys only.
+score the shared context keys, masked to positions < anchor_j and, on sliding
+layers, to what each query's window reaches (``draft.visible``), plus its own
+block's keys only.
 ``draft_train_forward`` reuses the draft's own modules (``keys_values`` for
 K/V, the same norms and projections), and a test
 checks it against the cached inference path block by block.
