@@ -114,7 +114,7 @@ class DraftConfig:
                 for i in dflash.get("target_layer_ids")
                 or default_target_layer_ids(num_target_layers, n)
             ],
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))),  # Qwen3Config default
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             layer_types=layer_types,
