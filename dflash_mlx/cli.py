@@ -305,6 +305,7 @@ def bench(
     context: int = typer.Option(1024, "--context", help="--predict: tokens of context (KV cache read per pass)."),
     neural_accelerators: bool = typer.Option(False, "--neural-accelerators", help="--predict: M5 chips at Apple's claimed GPU Neural Accelerator matmul rate."),
     overhead_ms: float = typer.Option(0.0, "--overhead-ms", help="--predict: fixed cost added to every forward pass."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="No run: measure the pair's cost per cycle at each block size on this machine (what --block-size auto uses), cache and print it."),
 ):
     """Baseline (mlx-lm) and DFlash side by side: speedup, tau, acceptance, memory, identity."""
     _call(".bench.command", "main", **locals())

@@ -10,6 +10,7 @@ from ..chat import has_template, thinking_note
 from ..draft import DraftConfig
 from ..errors import DFlashError
 from ..registry import read_config, resolve_pair
+from .calibrate import main_calibrate
 from .predict import main_predict
 from .prompts import select_prompts
 from .render import console, plot, render
@@ -48,11 +49,16 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
          no_chat_template: bool, thinking: Optional[bool], warmup: bool, json_out: Optional[str],
          plot_out: Optional[str], predict: bool, tau: Optional[float], results: Optional[str],
          preset: Optional[str], chip: Optional[list[str]], context: int,
-         neural_accelerators: bool, overhead_ms: float) -> None:
+         neural_accelerators: bool, overhead_ms: float, calibrate: bool) -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed."""
     sizes = parse_block_sizes(block_size)
     if dtype not in ("auto", "keep", *DTYPES):
         raise DFlashError(f"--dtype must be auto, keep, {', '.join(DTYPES)}; got '{dtype}'")
+    if calibrate:
+        if predict:
+            raise DFlashError("--calibrate measures this machine; --predict runs nothing: give one")
+        main_calibrate(model=model, draft=draft, dtype=dtype)
+        return
     if json_out:
         check_output_file(json_out, "--json")
     if predict:

@@ -1,0 +1,47 @@
+"""``dflash-mlx bench --calibrate``: measure the pair's cost curve on this
+machine afresh, cache it (where ``block_size="auto"`` reads it) and print it."""
+
+from typing import Optional
+
+from ..cost_curve import CostCurve, cache_key, cache_path, cost_curve
+from ..registry import resolve_pair
+from .render import console
+
+
+def print_curve(curve: CostCurve, out, title: str) -> None:
+    """One row per measured block size: target and draft pass, the cycle, and
+    the tau a cycle needs to beat a plain target step (cycle / t_target(1))."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("block", "target ms", "draft ms", "cycle ms", "break-even tau"):
+        t.add_column(col, justify="right")
+    step = curve.cycle_seconds(1)
+    for b in curve.sizes:
+        t.add_row(str(b), f"{curve.target(b) * 1e3:.2f}", "-" if b == 1 else f"{curve.draft(b) * 1e3:.2f}",
+                  f"{curve.cycle_seconds(b) * 1e3:.2f}", f"{curve.cycle_seconds(b) / step:.2f}")
+    out.print(t)
+
+
+def main_calibrate(*, model: Optional[str], draft: Optional[str], dtype: str, out=None, err=None) -> CostCurve:
+    import mlx.core as mx
+
+    from ..loading import load, load_draft
+    from ..target import Target
+
+    out = out or console()
+    err = err or console(stderr=True)
+    pair = resolve_pair(model, draft)
+    target_model, _ = load(pair.target)
+    dft = load_draft(pair.draft)
+    if dtype == "auto":
+        dtype = "float32" if mx.default_device() == mx.cpu else "keep"
+    if dtype != "keep":
+        target_model.set_dtype(getattr(mx, dtype))
+        dft.set_dtype(getattr(mx, dtype))
+    target = Target(target_model)
+    curve = cost_curve(target, dft, refresh=True)
+    name = "checkpoint dtype" if dtype == "keep" else dtype
+    print_curve(curve, out, f"cost per cycle on this machine: {pair.target} + {pair.draft}, {name}")
+    err.print(f"cached in {cache_path(cache_key(target, dft))}", markup=False, highlight=False)
+    return curve

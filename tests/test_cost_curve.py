@@ -1,0 +1,158 @@
+"""The cost curve: interpolation, a real measurement of a tiny pair, and the
+on-disk cache (re-measured when corrupt or stale, one entry per key). No
+timing is asserted: only that figures exist, are valid and are reused."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+
+from dflash_mlx import Target, load_draft
+from dflash_mlx import cost_curve as cc
+from dflash_mlx.cost_curve import CostCurve
+
+SYNTHETIC = CostCurve((1, 2, 4, 8), (1.0, 2.0, 4.0, 6.0), (0.0, 1.0, 3.0, 5.0))
+
+
+@pytest.fixture(scope="module")
+def pair(target_dirs, draft_dir):
+    model, _ = mlx_lm_load(str(target_dirs["qwen3"]))
+    return Target(model), load_draft(str(draft_dir("qwen3", block_size=8)))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Replace the measurement by the synthetic curve; returns the call list."""
+    calls = []
+
+    def fake(target, draft, sizes, budget_s=cc.BUDGET_S):
+        calls.append(sizes)
+        return SYNTHETIC
+
+    monkeypatch.setattr(cc, "measure", fake)
+    return calls
+
+
+def test_interpolates_between_and_beyond_the_measured_sizes():
+    assert SYNTHETIC.target(3) == 3.0 and SYNTHETIC.draft(3) == 2.0
+    assert SYNTHETIC.target(6) == 5.0 and SYNTHETIC.draft(6) == 4.0
+    assert SYNTHETIC.target(10) == 7.0  # the last segment's slope
+    assert SYNTHETIC.draft(1) == 0.0 and SYNTHETIC.cycle_seconds(1) == 1.0  # no draft pass
+    assert SYNTHETIC.cycle_seconds(4) == 7.0
+    assert CostCurve.from_dict(SYNTHETIC.to_dict()) == SYNTHETIC
+
+
+@pytest.mark.parametrize("bad", [
+    dict(sizes=(2, 4), target_s=(1.0, 2.0), draft_s=(1.0, 2.0)),  # no b = 1
+    dict(sizes=(1, 4, 2), target_s=(1.0, 2.0, 3.0), draft_s=(0.0, 1.0, 1.0)),  # not increasing
+    dict(sizes=(1, 2), target_s=(1.0, float("nan")), draft_s=(0.0, 1.0)),
+    dict(sizes=(1, 2), target_s=(1.0, 2.0), draft_s=(0.0, -1.0)),
+    dict(sizes=(1, 2), target_s=(1.0, 2.0), draft_s=(0.5, 1.0)),  # a draft pass at b = 1
+    dict(sizes=(1, 2), target_s=(1.0,), draft_s=(0.0, 1.0)),
+])
+def test_invalid_curves_are_refused(bad):
+    with pytest.raises(ValueError):
+        CostCurve(**bad)
+
+
+def test_sizes_fit_the_trained_block():
+    assert cc.sizes_for(16) == (1, 2, 4, 8, 12, 16)
+    assert cc.sizes_for(10) == (1, 2, 4, 8, 10)
+    assert cc.sizes_for(2) == (1, 2)
+
+
+def test_a_real_measurement_gives_a_valid_curve_over_the_trained_sizes(pair, tmp_path):
+    target, draft = pair
+    curve = cc.cost_curve(target, draft, tmp_path)
+    assert curve.sizes == (1, 2, 4, 8)
+    assert all(t > 0 for t in curve.target_s) and all(d > 0 for d in curve.draft_s[1:])
+    assert cc.cost_curve(target, draft, tmp_path) == curve  # read back, not measured again
+
+
+def test_cached_once_then_reused(pair, tmp_path, counted):
+    target, draft = pair
+    assert cc.cost_curve(target, draft, tmp_path) == SYNTHETIC
+    assert cc.cost_curve(target, draft, tmp_path) == SYNTHETIC
+    assert len(counted) == 1
+    files = list((tmp_path / "cost-curves").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["curve"] == SYNTHETIC.to_dict()
+
+
+@pytest.mark.parametrize("garbage", [
+    "not json {", "", "[]", '{"schema": "dflash-mlx-cost-curve"}',
+    lambda e: {**e, "curve": {**e["curve"], "target_s": [1.0, -2.0, 3.0, 4.0]}},  # invalid curve
+    lambda e: {**e, "key": {**e["key"], "dflash_mlx": "0.0.0-older"}},  # stale: another version
+    lambda e: {**e, "schema_version": 0},
+])
+def test_a_corrupt_or_stale_entry_is_measured_again_and_rewritten(pair, tmp_path, counted, garbage):
+    target, draft = pair
+    cc.cost_curve(target, draft, tmp_path)
+    path = cc.cache_path(cc.cache_key(target, draft), tmp_path)
+    entry = json.loads(path.read_text())
+    path.write_text(garbage if isinstance(garbage, str) else json.dumps(garbage(entry)))
+    assert cc.cost_curve(target, draft, tmp_path) == SYNTHETIC
+    assert len(counted) == 2
+    assert cc.read_cached(path, cc.cache_key(target, draft)) == SYNTHETIC  # rewritten, valid
+
+
+def test_refresh_measures_again(pair, tmp_path, counted):
+    target, draft = pair
+    cc.cost_curve(target, draft, tmp_path)
+    cc.cost_curve(target, draft, tmp_path, refresh=True)
+    assert len(counted) == 2
+
+
+def test_another_key_gets_its_own_entry(pair, target_dirs, draft_dir, tmp_path, counted):
+    target, draft = pair
+    other_draft = load_draft(str(draft_dir("qwen3", block_size=4)))
+    model16, _ = mlx_lm_load(str(target_dirs["qwen3"]))
+    model16.set_dtype(mx.float16)
+    keys = [cc.cache_key(target, draft), cc.cache_key(target, other_draft),
+            cc.cache_key(Target(model16), draft)]
+    assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3
+    cc.cost_curve(target, draft, tmp_path)
+    cc.cost_curve(target, other_draft, tmp_path)
+    cc.cost_curve(Target(model16), draft, tmp_path)
+    assert len(counted) == 3 and counted[1] == (1, 2, 4)
+    assert len(list((tmp_path / "cost-curves").glob("*.json"))) == 3
+    cc.cost_curve(target, draft, tmp_path)
+    assert len(counted) == 3  # the first entry survived the others
+
+
+def test_the_cache_directory_follows_the_environment(pair, tmp_path, monkeypatch, counted):
+    target, draft = pair
+    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path / "env"))
+    cc.cost_curve(target, draft)
+    assert len(list((tmp_path / "env" / "cost-curves").glob("*.json"))) == 1
+    monkeypatch.delenv("DFLASH_MLX_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cc.cache_dir() == tmp_path / "xdg" / "dflash-mlx"
+
+
+def test_an_unwritable_cache_still_gives_the_curve(pair, tmp_path, counted):
+    target, draft = pair
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cc.cost_curve(target, draft, blocker) == SYNTHETIC  # cache_dir is a file: not cached
+
+
+def test_bench_calibrate_prints_the_curve_and_caches_it(target_dirs, draft_dir, tmp_path, monkeypatch, counted):
+    from rich.console import Console
+
+    from dflash_mlx.bench.calibrate import main_calibrate
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
+    out, err = Console(record=True, width=200), Console(record=True, width=400)
+    curve = main_calibrate(model=str(target_dirs["qwen3"]), draft=str(draft_dir("qwen3", block_size=8)),
+                           dtype="auto", out=out, err=err)
+    assert curve == SYNTHETIC
+    rows = [line.split("│")[1:-1] for line in out.export_text().splitlines() if line.startswith("│")]
+    assert [[c.strip() for c in r] for r in rows] == [
+        ["1", "1000.00", "-", "1000.00", "1.00"], ["2", "2000.00", "1000.00", "3000.00", "3.00"],
+        ["4", "4000.00", "3000.00", "7000.00", "7.00"], ["8", "6000.00", "5000.00", "11000.00", "11.00"]]
+    assert len(list((tmp_path / "cost-curves").glob("*.json"))) == 1
+    assert "cached in" in err.export_text()
+    main_calibrate(model=str(target_dirs["qwen3"]), draft=str(draft_dir("qwen3", block_size=8)),
+                   dtype="auto", out=out, err=err)
+    assert len(counted) == 2  # --calibrate always measures afresh
