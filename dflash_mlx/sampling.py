@@ -13,7 +13,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from .errors import DFlashError
+from . import validate
 from .verify import greedy_verify, sampled_verify
 
 
@@ -35,14 +35,8 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = field(default=None)
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise DFlashError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise DFlashError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise DFlashError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise DFlashError(f"min_p must be in [0, 1], got {self.min_p}")
+        """One-line DFlashError for a value out of range (the rules of ``validate.RULES``)."""
+        validate.options({k: v for k, v in vars(self).items() if k in validate.RULES})
 
     @property
     def context_size(self) -> int:

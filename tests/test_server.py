@@ -208,14 +208,14 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
         ("/v1/chat/completions", CHAT | {"top_p": 0}, 400, "top_p"),
         ("/v1/chat/completions", CHAT | {"max_tokens": MAX_TOKENS_LIMIT + 1}, 400, "above this server's limit"),
         ("/v1/chat/completions", CHAT | {"logprobs": True}, 400, "logprobs are not supported"),
-        ("/v1/chat/completions", CHAT | {"logit_bias": {"99999": 1}}, 400, "outside the vocabulary"),
+        ("/v1/chat/completions", CHAT | {"logit_bias": {"99999": 1}}, 400, "logit_bias token id must be below"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "only text content"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
         ("/v1/completions", {"prompt": "hello " * 4100, "max_tokens": 4}, 400, "context of 4096 tokens"),
         ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "prompt is empty"),
         ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 4}, 400, "one prompt per request"),
-        ("/v1/completions", {"prompt": [1, 99999], "max_tokens": 4}, 400, "outside the vocabulary"),
+        ("/v1/completions", {"prompt": [1, 99999], "max_tokens": 4}, 400, "token ids must lie in [0,"),
         ("/v1/nothing", {}, 404, "Not Found"),
     ],
 )

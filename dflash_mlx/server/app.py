@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from .. import validate
 from ..errors import DFlashError
 from ..sampling import SamplingParams
 from . import engine as eng
@@ -71,11 +72,10 @@ def _sampling(body: Sampling, vocab_size: int) -> dict:
     if body.logit_bias:
         try:
             bias = {int(k): float(v) for k, v in body.logit_bias.items()}
-        except ValueError:
-            raise APIError(400, "logit_bias keys must be token ids", "logit_bias") from None
-        bad = [k for k in bias if not 0 <= k < vocab_size]
-        if bad:
-            raise APIError(400, f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "logit_bias")
+            validate.logit_bias(bias, vocab_size)
+        except (ValueError, DFlashError) as e:
+            message = str(e) if isinstance(e, DFlashError) else "logit_bias keys must be token ids"
+            raise APIError(400, message, "logit_bias") from None
         if any(not -100 <= v <= 100 for v in bias.values()):
             raise APIError(400, "logit_bias values must be in [-100, 100]", "logit_bias")
     sampling = dict(

@@ -3,7 +3,9 @@ template (``dflash_mlx.chat``), completion prompts as text or ids."""
 
 from typing import Optional
 
+from .. import validate
 from ..chat import encode, template_ids
+from ..errors import DFlashError
 from .errors import APIError
 from .schemas import ChatRequest, CompletionRequest
 
@@ -40,10 +42,10 @@ def completion_ids(tokenizer, body: CompletionRequest, vocab_size: int) -> list[
     if isinstance(prompt, str):
         ids = encode(tokenizer, prompt) if prompt else []
     else:
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "prompt")
+        try:
+            ids = validate.token_ids(list(prompt), vocab_size).tolist() if prompt else []
+        except DFlashError as e:
+            raise APIError(400, str(e), "prompt") from None
     if not ids:
         raise APIError(400, "the prompt is empty", "prompt")
     return ids
