@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .draft_cache import DraftContextCache
 from .draft_injection import InjectionPlan
 from .errors import DFlashError
 from .kernels.registry import current_policy
@@ -185,6 +185,13 @@ class DraftConfig:
         return len(self.target_layer_ids) * self.hidden_size
 
 
+def _context_keep(window: Optional[int]) -> Optional[int]:
+    """Context positions a layer's block queries can still see: the last
+    window - 1 on a sliding layer (the block's first query sees back to
+    p - window + 1), all of them otherwise."""
+    return None if window is None else window - 1
+
+
 class DraftAttention(nn.Module):
     """Qwen3 attention whose keys/values are [injected context ; block]."""
 
@@ -220,7 +227,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return k, v
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: DraftContextCache) -> mx.array:
         B, L, _ = x.shape
         offset = cache.offset
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
@@ -228,7 +235,7 @@ class DraftAttention(nn.Module):
         keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
         cache.trim(L)  # the block is attended to, never kept
         start = self.first_visible(offset)
-        keys, values = keys[..., start:, :], values[..., start:, :]
+        keys, values = keys[..., start - cache.start :, :], values[..., start - cache.start :, :]
         mask = self.mask(offset, L, start)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -257,7 +264,7 @@ class DraftLayer(nn.Module):
             config.hidden_size, eps=config.rms_norm_eps
         )
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: DraftContextCache) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -274,11 +281,12 @@ class DFlashDraft(nn.Module):
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.injection_plan: Optional[InjectionPlan] = None  # see _injection
 
-    def make_cache(self) -> list[KVCache]:
-        """One context cache per layer; it only ever holds context positions."""
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> list[DraftContextCache]:
+        """One context cache per layer; it only ever holds context positions, and
+        on a sliding layer only those a block query can still see."""
+        return [DraftContextCache(keep=_context_keep(layer.self_attn.sliding_window)) for layer in self.layers]
 
-    def inject(self, features: mx.array, cache: list[KVCache]) -> None:
+    def inject(self, features: mx.array, cache: list[DraftContextCache]) -> None:
         """Append target features [B, T, k*H] (the next T positions) to every layer's cache.
 
         One matmul projects K and V for all layers (the stacked weights of the
@@ -291,10 +299,12 @@ class DFlashDraft(nn.Module):
         if plan.reason is not None or len({c.offset for c in cache}) > 1:
             for layer, c in zip(self.layers, cache):
                 c.update_and_fetch(*layer.self_attn.keys_values(ctx, c.offset))
-            return
-        keys, values = plan(ctx, cache[0].offset)
-        for i, c in enumerate(cache):
-            c.update_and_fetch(keys[i], values[i])
+        else:
+            keys, values = plan(ctx, cache[0].offset)
+            for i, c in enumerate(cache):
+                c.update_and_fetch(keys[i], values[i])
+        for c in cache:
+            c.compact()
 
     def _injection(self) -> InjectionPlan:
         """The injection plan, built on first use and again after new weights."""
@@ -308,7 +318,7 @@ class DFlashDraft(nn.Module):
                 )
         return self.injection_plan
 
-    def __call__(self, block_embeddings: mx.array, cache: list[KVCache]) -> mx.array:
+    def __call__(self, block_embeddings: mx.array, cache: list[DraftContextCache]) -> mx.array:
         """Final-normed hidden states [B, b, H] for a block placed right after the context."""
         h = block_embeddings
         for layer, c in zip(self.layers, cache):

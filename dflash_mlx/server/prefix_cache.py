@@ -80,9 +80,11 @@ class PrefixCache:
         """Tokens of ``prompt`` the entry can hold after an exact rollback."""
         tokens = entry.context.tokens
         n = _common_prefix(tokens, prompt[: len(prompt) - 1])
-        if n == len(tokens) or not self._recurrent(entry.context):
-            return n
-        return entry.prompt_len if entry.snapshot is not None and n >= entry.prompt_len else 0
+        if n != len(tokens) and self._recurrent(entry.context):
+            n = entry.prompt_len if entry.snapshot is not None and n >= entry.prompt_len else 0
+        # a sliding draft layer holds only its window: it cannot go back further
+        exact = all(c.can_trim(len(tokens) - n) for c in entry.context.draft)
+        return n if exact else 0
 
     def take(self, prompt: list[int]) -> ContextCache:
         """Caches holding the longest reusable prefix of ``prompt`` (an entry
