@@ -82,3 +82,13 @@ def draft_tree(root: int, logprobs: mx.array, budget: int) -> Tree:
     """The tree of ``budget`` nodes after ``root`` from draft log-probs [b-1, V]."""
     values, tokens = top_candidates(logprobs, budget)
     return build_tree(root, values.tolist(), tokens.tolist(), budget)
+
+
+def walk(tree: Tree, choices: list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance: from the root, move to the child carrying the target's
+    choice at the current node while there is one. Returns (the path's indices,
+    root first, and the target's choice at its end: the bonus token)."""
+    kids, node = tree.children(), 0
+    while choices[node] in kids[node]:
+        node = kids[node][choices[node]]
+    return tree.path(node), choices[node]

@@ -1,0 +1,112 @@
+"""Attention layers over a flattened DDTree: mask, per-node RoPE, cache compaction.
+
+The root and the tree's nodes run through a target's attention layers as one
+flat sequence appended to the cache. Each node must see what it would see if
+its own path had been fed as a chain:
+
+- ``tree_mask``: the committed context and the node's ancestors and itself
+  (boolean [N, offset+N]), and on a sliding layer only keys whose *position*
+  lies within the window of the node's position;
+- ``positioned_rope``: each node rotated at position offset + depth, not at its
+  flat index. For the pass only, each attention instance's ``rope`` is a
+  ``PositionedRope`` around its own, which hands ``mx.fast.rope`` one offset
+  per token (the tokens laid out as its batch), so every RoPE variant that
+  passes its offset straight to ``mx.fast.rope`` is rotated exactly as it
+  rotates a chain; any other variant is refused;
+- ``compact``: after the walk, the accepted path's keys and values are
+  gathered to the positions right after the context and the rest is trimmed.
+"""
+
+import contextlib
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE, YarnRoPE
+
+from .errors import DFlashError
+
+# RoPE modules whose call is mx.fast.rope(x, ..., offset=offset) and nothing
+# else that depends on the offset (DynamicNTKScalingRoPE computes its base from it)
+PER_TOKEN_ROPES = (nn.RoPE, Llama3RoPE, YarnRoPE, SuScaledRoPE, ProportionalRoPE)
+
+
+def ancestors(parents: mx.array, depth: int) -> mx.array:
+    """Boolean [N, N]: entry (i, j) is true when j is i or one of its ancestors,
+    for ``parents`` [N] int32 (-1 at the root) of a tree ``depth`` levels deep."""
+    n = parents.size
+    columns = mx.arange(n)[None]
+    current = mx.arange(n)
+    seen = current[:, None] == columns
+    for _ in range(depth):
+        current = mx.where(current >= 0, parents[mx.maximum(current, 0)], -1)
+        seen = seen | (current[:, None] == columns)
+    return seen
+
+
+def tree_mask(parents: mx.array, depths: mx.array, offset: int, window=None) -> mx.array:
+    """Boolean mask [N, offset+N] of the flattened tree after ``offset`` context
+    positions; ``window`` (sliding layers) counts positions, as a chain's mask does."""
+    positions = offset + depths
+    context = mx.ones((parents.size, offset), dtype=mx.bool_)
+    tree = ancestors(parents, int(depths.max().item()))
+    if window:
+        context = context & (mx.arange(offset)[None] > positions[:, None] - window)
+        tree = tree & (positions[None] > positions[:, None] - window)
+    return mx.concatenate([context, tree], axis=1)
+
+
+class PositionedRope(nn.Module):
+    """A layer's RoPE that rotates token t of a pass at ``positions[t]``."""
+
+    def __init__(self, rope: nn.Module, positions: mx.array):
+        super().__init__()
+        self.inner = rope
+        self.positions = positions
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        # x [B, H, T, D] -> [T, B*H, 1, D]: one batch entry, and offset, per token
+        B, H, T, D = x.shape
+        rotated = self.inner(x.transpose(2, 0, 1, 3).reshape(T, B * H, 1, D), offset=self.positions)
+        return rotated.reshape(T, B, H, D).transpose(1, 2, 0, 3)
+
+
+def attention_of(layer: nn.Module) -> nn.Module:
+    """The attention module of a target layer (``self_attn`` in every family)."""
+    return layer.self_attn
+
+
+def check_rope(layer: nn.Module) -> None:
+    """DFlashError unless the layer's RoPE can rotate each token at its own position."""
+    rope = attention_of(layer).rope
+    if not isinstance(rope, PER_TOKEN_ROPES):
+        raise DFlashError(f"tree verification does not support the target's RoPE ({type(rope).__name__})")
+
+
+@contextlib.contextmanager
+def positioned_rope(layers: Sequence[nn.Module], positions: mx.array) -> Iterator[None]:
+    """For the duration of one pass, rotate these layers' tokens at ``positions``."""
+    originals = [attention_of(layer).rope for layer in layers]
+    try:
+        for layer, rope in zip(layers, originals):
+            attention_of(layer).rope = PositionedRope(rope, positions)
+        yield
+    finally:
+        for layer, rope in zip(layers, originals):
+            attention_of(layer).rope = rope
+
+
+def compact(cache, offset: int, path: list[int]) -> None:
+    """Keep, after ``offset`` context positions, only the rows ``path`` (indices
+    into the tree appended at ``offset``), in that order."""
+    n = len(path)
+    if path != list(range(n)):
+        rows = mx.array(path) + offset
+
+        def gather(x: mx.array) -> mx.array:
+            x[..., offset : offset + n, :] = x[..., rows, :]
+            return x
+
+        cache.keys, cache.values = tree_map(gather, (cache.keys, cache.values))
+    cache.trim(cache.offset - offset - n)

@@ -1,0 +1,109 @@
+"""The DDTree cycle: draft a tree, verify it in one target pass, walk, commit.
+
+Beside the chain (``decoder.SpeculativeDecoder``, whose prefill and bookkeeping
+it reuses): the proposer's b-1 per-position distributions become a tree of up
+to ``budget`` nodes (``tree.py``); the root y and the nodes run through the
+target as one flat sequence (``tree_forward``), each attention layer with the
+tree's mask and per-node RoPE positions (``tree_attention.py``); from the root
+the walk follows the target's greedy choice while it is a child; the path plus
+the target's choice after it are committed, the attention caches compacted to
+the path, and the path's features handed to the proposer in order.
+
+Greedy only (with logits processors, each node seeing its own path as
+history), on targets made of attention layers.
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+
+from .decoder import Cycle, Proposer, SpeculativeDecoder
+from .errors import DFlashError
+from .layer_kinds import Attention
+from .sampling import BlockSampler
+from .target import Forward, Target
+from .tree import Tree, build_tree, top_candidates, walk
+from .tree_attention import check_rope, compact, positioned_rope, tree_mask
+
+
+def check_tree_target(target: Target) -> None:
+    """DFlashError unless every layer of the target can verify a tree."""
+    for layer, kind in zip(target.layers, target.kinds):
+        if not isinstance(kind, Attention):
+            raise DFlashError(f"tree verification does not support the target's {kind.name} layers yet "
+                              f"(model type '{target.model_type}'); use the chain (no tree budget)")
+        check_rope(layer)
+
+
+def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) -> Forward:
+    """Run the flattened tree [1, N] through the target after the cache's context."""
+    offset = cache[0].offset
+    parents, depths = mx.array(tree.parents), mx.array(tree.depths)
+    masks = {kind.name: tree_mask(parents, depths, offset, kind.window) for kind in target.kinds}
+    wanted = {}
+    h = target.embed(mx.array(tree.tokens)[None])
+    with positioned_rope(target.layers, offset + depths):
+        for i, (layer, kind, c) in enumerate(zip(target.layers, target.kinds, cache)):
+            h, _ = kind(layer, h, masks[kind.name], c, False)
+            if i in layer_ids:
+                wanted[i] = h
+    features = mx.concatenate([wanted[i] for i in layer_ids], axis=-1)
+    return Forward(target.inner.norm(h), features)
+
+
+class TreeDecoder(SpeculativeDecoder):
+    """Prefill, then tree verify-and-commit cycles over one target cache."""
+
+    def __init__(
+        self,
+        target: Target,
+        proposer: Proposer,
+        layer_ids: list[int],
+        block_size: int,
+        budget: int,
+        prefill_step_size: int = 2048,
+        sampler: Optional[BlockSampler] = None,
+        cache: Optional[list] = None,
+        tokens: Optional[list[int]] = None,
+    ):
+        check_tree_target(target)
+        super().__init__(target, proposer, layer_ids, block_size, prefill_step_size, sampler, cache, tokens)
+        if not self.sampler.greedy:
+            raise DFlashError("tree verification is greedy only for now; use temperature 0 or the chain")
+        self.budget = budget
+        self.candidates: Optional[tuple[mx.array, mx.array]] = None
+
+    def _queue_draft(self) -> None:
+        logits = self.proposer.propose(self.pending, self.block_size)
+        self.candidates = top_candidates(logits, self.budget)
+        mx.async_eval(self.candidates)
+
+    def _process(self, logits: mx.array, tree: Tree) -> mx.array:
+        """Logits processors per node, each seeing the committed tokens then its path."""
+        if not self.sampler.processors:
+            return logits
+        recent = self.recent
+        rows = [
+            self.sampler.process(logits[i : i + 1], mx.array(recent + [tree.tokens[j] for j in tree.path(i)], dtype=mx.int32))
+            for i in range(len(tree))
+        ]
+        return mx.concatenate(rows, axis=0)
+
+    def cycle(self) -> Cycle:
+        """One draft-tree + verify + walk + commit cycle; returns the committed tokens."""
+        values, tokens = self.candidates
+        tree = build_tree(self.pending.item(), values.tolist(), tokens.tolist(), self.budget)
+        offset = self.cache[0].offset
+        out = tree_forward(self.target, tree, self.cache, self.layer_ids)
+        logits = self._process(self.target.logits(out.hidden)[0], tree)
+        choices = mx.argmax(logits, axis=-1).tolist()  # the cycle's sync
+        path, bonus = walk(tree, choices)
+        for c in self.cache:
+            compact(c, offset, path)
+        committed = [tree.tokens[i] for i in path]
+        self.proposer.observe(out.features[:, mx.array(path)], mx.array(committed, dtype=mx.int32))
+        self.tokens.extend(committed)
+        self._remember(committed)
+        self.pending = mx.array([bonus], dtype=mx.int32)
+        self._queue_draft()
+        return Cycle(committed[1:] + [bonus], len(path) - 1)

@@ -1,0 +1,183 @@
+"""The DDTree cycle on attention targets: lossless against mlx-lm greedy, walks
+through non-first children to every depth, and caches after each commit equal
+a fresh feed of the committed tokens."""
+
+import mlx.core as mx
+import pytest
+import test_loop as chain
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from dflash_mlx import Target, load_draft
+from dflash_mlx.decoder import DraftProposer
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.sampling import BlockSampler, SamplingParams
+from dflash_mlx.tree_attention import PositionedRope, compact, tree_mask
+from dflash_mlx.tree_decoder import TreeDecoder
+
+ATTENTION_FAMILIES = ["llama", "qwen3", "qwen3_moe", "gpt_oss"]
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def loaded(target_dirs, draft_dir):
+    """family -> (mlx-lm model, tokenizer, draft)."""
+    out = {}
+    for family in ATTENTION_FAMILIES + ["qwen3_5"]:
+        model, tokenizer = mlx_lm_load(str(target_dirs[family]))
+        out[family] = (model, tokenizer, load_draft(str(draft_dir(family, block_size=BLOCK))))
+    return out
+
+
+def run(decoder, prompt, n):
+    out, accepted = [decoder.prefill(mx.array(prompt))], []
+    while len(out) < n:
+        cycle = decoder.cycle()
+        out += cycle.tokens
+        accepted.append(cycle.accepted)
+    return out, accepted
+
+
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
+@pytest.mark.parametrize("budget", [4, 16, 32])
+def test_tree_greedy_output_is_mlx_lm_greedy_output(loaded, family, budget):
+    model, tokenizer, draft = loaded[family]
+    target = Target(model)
+    for prompt in chain.PROMPTS:
+        ids = tokenizer.encode(prompt)
+        want = chain.greedy_reference(model, ids, 48)
+        decoder = TreeDecoder(target, DraftProposer(draft, target), draft.config.target_layer_ids,
+                              BLOCK, budget, prefill_step_size=5)
+        got, _ = run(decoder, ids, 48)
+        chain.assert_same_or_near_tie(model, ids, got[:48], want)
+
+
+# A compacted row is the tree pass's row bit for bit (test_compact_*); against
+# a fresh feed the passes differ in row count, so a BLAS may round each matmul
+# differently: float32 rounding (2^-24 relative) accumulated over the layers'
+# sums stays far below 2^-13, which any wrong row or position exceeds.
+FRESH_FEED_TOLERANCE = 2.0**-13
+
+
+def assert_cache_close_to_fresh_feed(target, cache, committed):
+    fresh = target.make_cache()
+    target.forward(mx.array(committed)[None], fresh, [0])
+    for i, (c, f) in enumerate(zip(cache, fresh)):
+        assert c.offset == f.offset == len(committed), f"layer {i} offset"
+        for a, b in zip(c.keys_and_values(), f.keys_and_values()):
+            assert a.shape == b.shape, f"layer {i}"
+            assert mx.allclose(a, b, rtol=FRESH_FEED_TOLERANCE, atol=FRESH_FEED_TOLERANCE).item(), f"layer {i}"
+
+
+class TreeOracle:
+    """Draft distributions that put the target's greedy continuation at rank 1
+    (second) where ``second`` says, at rank 0 elsewhere, and out of the tree
+    from position ``stop`` on."""
+
+    def __init__(self, prompt_len, continuation, stop, second, vocab_size):
+        self.position, self.prompt_len = 0, prompt_len
+        self.continuation, self.stop, self.second = continuation, stop, second
+        self.vocab_size = vocab_size
+
+    def observe(self, features, tokens):
+        self.position += tokens.size
+
+    def propose(self, y, block_size):
+        start = self.position - self.prompt_len + 1
+        rows = []
+        for d in range(block_size - 1):
+            right = self.continuation[start + d]
+            wrong = (right + 1) % self.vocab_size
+            row = mx.full((self.vocab_size,), -30.0)
+            if d >= self.stop:
+                row[right] = -40.0
+            elif d in self.second:
+                row[wrong], row[right] = 0.0, -0.5
+            else:
+                row[right], row[wrong] = 0.0, -3.0
+            rows.append(row)
+        return mx.stack(rows)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_moe"])
+def test_tree_walk_follows_non_first_children_to_every_depth(loaded, family):
+    model, tokenizer, _ = loaded[family]
+    target = Target(model)
+    prompt = tokenizer.encode("the quick brown fox")
+    continuation = chain.greedy_reference(model, prompt, 3 * BLOCK + 2)
+    budget = 32
+    for stop in range(BLOCK):
+        second = {0, stop - 1} if stop > 1 else set()
+        oracle = TreeOracle(len(prompt), continuation, stop, second, target.vocab_size)
+        decoder = TreeDecoder(target, oracle, [0], BLOCK, budget, prefill_step_size=3)
+        out = [decoder.prefill(mx.array(prompt))]
+        for _ in range(2):
+            cycle = decoder.cycle()
+            assert cycle.accepted == stop  # the path left the first child at depths 1 and stop
+            out += cycle.tokens
+            assert out == continuation[: len(out)]
+            assert_cache_close_to_fresh_feed(target, decoder.cache, prompt + out[:-1])
+            assert decoder.tokens == prompt + out[:-1]
+
+
+def test_compact_keeps_the_path_rows_bit_for_bit_and_trims_the_rest():
+    cache = KVCache()
+    keys = mx.random.normal((1, 2, 9, 4), key=mx.random.key(1))
+    values = mx.random.normal((1, 2, 9, 4), key=mx.random.key(2))
+    cache.update_and_fetch(keys, values)
+    path = [0, 2, 3, 5]  # rows of the 6-node tree appended after 3 context rows
+    compact(cache, 3, path)
+    k, v = cache.keys_and_values()
+    rows = [0, 1, 2] + [3 + p for p in path]
+    assert cache.offset == 7
+    assert mx.array_equal(k, keys[..., rows, :]) and mx.array_equal(v, values[..., rows, :])
+    cache.update_and_fetch(keys[..., :1, :], values[..., :1, :])  # the next pass appends after the path
+    assert mx.array_equal(cache.keys_and_values()[0][..., 7, :], keys[..., 0, :])
+
+
+def test_tree_mask_of_a_chain_is_the_causal_mask():
+    n, offset = 6, 5
+    parents, depths = mx.arange(-1, n - 1), mx.arange(n)
+    for window in [None, 3]:
+        want = create_causal_mask(n, offset, window_size=window)
+        assert mx.array_equal(tree_mask(parents, depths, offset, window), want)
+
+
+def test_tree_mask_sees_context_ancestors_and_self_within_the_window():
+    # root 0; 1, 2 children of 0; 3 child of 1; 4 child of 3
+    parents, depths = mx.array([-1, 0, 0, 1, 3]), mx.array([0, 1, 1, 2, 3])
+    mask = tree_mask(parents, depths, 2, None)
+    assert mask[:, :2].all().item()
+    want = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
+    assert mask[:, 2:].tolist() == [[bool(v) for v in row] for row in want]
+    # window 2 by position: node 4 (position 5) sees positions 4 and 5 only
+    sliding = tree_mask(parents, depths, 2, 2)
+    assert sliding[4].tolist() == [False] * 5 + [True, True]
+    # node 2 (position 3) sees the root (position 2) and itself, not context position 1
+    assert sliding[2].tolist() == [False, False, True, False, True, False, False]
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64},
+                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_positioned_rope_rotates_each_token_at_its_position(scaling):
+    rope = initialize_rope(16, 10000.0, False, scaling, max_position_embeddings=1024)
+    x = mx.random.normal((1, 3, 5, 16), key=mx.random.key(0))
+    positions = mx.array([7, 8, 8, 9, 12])
+    got = PositionedRope(rope, positions)(x, offset=7)
+    for t in range(5):
+        want = rope(x[:, :, t : t + 1], offset=positions[t].item())
+        assert mx.array_equal(got[:, :, t : t + 1], want), t
+
+
+def test_tree_decoder_refuses_what_it_cannot_verify(loaded):
+    model, _, draft = loaded["qwen3_5"]
+    target = Target(model)
+    with pytest.raises(DFlashError, match="gated_delta"):
+        TreeDecoder(target, DraftProposer(draft, target), [0], BLOCK, 8)
+    model, _, draft = loaded["llama"]
+    target = Target(model)
+    with pytest.raises(DFlashError, match="greedy only"):
+        TreeDecoder(target, DraftProposer(draft, target), [0], BLOCK, 8,
+                    sampler=BlockSampler(SamplingParams(temperature=0.5)))
