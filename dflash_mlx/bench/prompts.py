@@ -15,10 +15,10 @@ mt-bench-style) and ``summarize`` (two long passages, four tasks each).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import DFlashError
+from ..jsonl import read_jsonl
 
 CATEGORIES = ("math", "code", "chat", "summarize")
 
@@ -235,34 +235,23 @@ def load_prompts(path: str | Path, default_category: str = "custom") -> list[dic
     """Read a JSONL prompt file: one object per line with ``prompt`` and
     optionally ``category`` and ``id``. Raises DFlashError naming the bad line."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise DFlashError(f"cannot read prompt file '{path}': {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise DFlashError(f"prompt file '{path}' is not valid UTF-8") from None
     prompts, seen = [], set()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DFlashError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    for n, row in read_jsonl(path):
+        where = f"{path}:{n}"
         if not isinstance(row, dict):
-            raise DFlashError(f"{path}:{n}: expected an object with a 'prompt' field")
+            raise DFlashError(f"{where}: expected an object with a 'prompt' field")
         text = row.get("prompt")
         if not isinstance(text, str) or not text.strip():
-            raise DFlashError(f"{path}:{n}: 'prompt' must be a non-empty string")
+            raise DFlashError(f"{where}: 'prompt' must be a non-empty string")
         category = row.get("category", default_category)
         if not isinstance(category, str) or not category:
-            raise DFlashError(f"{path}:{n}: 'category' must be a non-empty string")
+            raise DFlashError(f"{where}: 'category' must be a non-empty string")
         pid = row.get("id", f"{category}-{n}")
         if not isinstance(pid, (str, int)):
-            raise DFlashError(f"{path}:{n}: 'id' must be a string")
+            raise DFlashError(f"{where}: 'id' must be a string")
         pid = str(pid)
         if pid in seen:
-            raise DFlashError(f"{path}:{n}: duplicate id '{pid}'")
+            raise DFlashError(f"{where}: duplicate id '{pid}'")
         seen.add(pid)
         prompts.append({"id": pid, "category": category, "prompt": text})
     if not prompts:

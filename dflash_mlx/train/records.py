@@ -1,13 +1,13 @@
 """Training text: files and directories read into records (plain text, prompt /
 completion pairs or chat messages), and records turned into token ids."""
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..chat import template_ids
 from ..errors import DFlashError
+from ..jsonl import read_jsonl
 
 TEXT_SUFFIXES_SKIPPED = {".npy", ".npz", ".safetensors", ".bin", ".gz", ".zip", ".pyc"}
 
@@ -62,14 +62,7 @@ def read_records(paths: Sequence[str]) -> list[Record]:
     records = []
     for f in _files(paths):
         if f.suffix == ".jsonl":
-            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DFlashError(f"{f}:{n}: invalid JSON ({e.msg})") from None
-                records.append(_jsonl_record(obj, f"{f}:{n}"))
+            records += [_jsonl_record(obj, f"{f}:{n}") for n, obj in read_jsonl(f)]
         else:
             text = f.read_text(encoding="utf-8", errors="replace")
             if text.strip():
