@@ -145,3 +145,16 @@ def text(value: str, name: str = "prompt") -> str:
     if not value.strip():
         raise DFlashError(f"the {name} is empty")
     return value
+
+
+def tree_budget(value, context: Optional[int], name: str = "tree_budget") -> Optional[int]:
+    """The DDTree's node budget: an integer from 1 to the target's context
+    length (``context``, None when the config gives none); None or 0 is the chain (None)."""
+    if value is None:
+        return None
+    value = integer(value, name)
+    if value < 0:
+        raise DFlashError(f"{name} must be positive (0: no tree), got {value}")
+    if context is not None and value > context:
+        raise DFlashError(f"{name} must be at most the target's context length {context}, got {value}")
+    return value or None
