@@ -7,10 +7,10 @@ target as one flat sequence (``tree_forward``), each attention layer with the
 tree's mask and per-node RoPE positions (``tree_attention.py``); from the root
 the walk follows the target's greedy choice while it is a child; the path plus
 the target's choice after it are committed, the attention caches compacted to
-the path, and the path's features handed to the proposer in order.
+the path, GatedDeltaNet layers set to the path's end (``tree_gated_delta.py``),
+and the path's features handed to the proposer in order.
 
-Greedy only (with logits processors, each node seeing its own path as
-history), on targets made of attention layers.
+Greedy only (with logits processors, each node seeing its own path as history).
 """
 
 from typing import Optional
@@ -18,7 +18,9 @@ from typing import Optional
 import mlx.core as mx
 
 from .decoder import Cycle, Proposer, SpeculativeDecoder
+from . import tree_gated_delta
 from .errors import DFlashError
+from .gated_delta import GatedDelta
 from .layer_kinds import Attention
 from .sampling import BlockSampler
 from .target import Forward, Target
@@ -29,26 +31,50 @@ from .tree_attention import check_rope, compact, positioned_rope, tree_mask
 def check_tree_target(target: Target) -> None:
     """DFlashError unless every layer of the target can verify a tree."""
     for layer, kind in zip(target.layers, target.kinds):
-        if not isinstance(kind, Attention):
-            raise DFlashError(f"tree verification does not support the target's {kind.name} layers yet "
+        if isinstance(kind, Attention):
+            check_rope(layer)
+        elif not isinstance(kind, GatedDelta):
+            raise DFlashError(f"tree verification does not support the target's {kind.name} layers "
                               f"(model type '{target.model_type}'); use the chain (no tree budget)")
-        check_rope(layer)
+
+
+def context_length(target: Target, cache: list) -> int:
+    """Positions the attention caches hold (every target has an attention layer)."""
+    return next(c.offset for kind, c in zip(target.kinds, cache) if isinstance(kind, Attention))
 
 
 def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) -> Forward:
-    """Run the flattened tree [1, N] through the target after the cache's context."""
-    offset = cache[0].offset
+    """Run the flattened tree [1, N] through the target after the cache's
+    context; GatedDeltaNet layers leave their cache as it was and return what
+    ``commit`` needs."""
+    offset = context_length(target, cache)
     parents, depths = mx.array(tree.parents), mx.array(tree.depths)
-    masks = {kind.name: tree_mask(parents, depths, offset, kind.window) for kind in target.kinds}
-    wanted = {}
+    masks = {kind.name: tree_mask(parents, depths, offset, kind.window)
+             for kind in target.kinds if isinstance(kind, Attention)}
+    attention = [layer for layer, kind in zip(target.layers, target.kinds) if isinstance(kind, Attention)]
+    recurrent = [layer for layer, kind in zip(target.layers, target.kinds) if isinstance(kind, GatedDelta)]
+    plan = tree_gated_delta.plan(tree, recurrent[0].linear_attn.conv_kernel_size) if recurrent else None
+    wanted, records = {}, [None] * target.num_layers
     h = target.embed(mx.array(tree.tokens)[None])
-    with positioned_rope(target.layers, offset + depths):
+    with positioned_rope(attention, offset + depths):
         for i, (layer, kind, c) in enumerate(zip(target.layers, target.kinds, cache)):
-            h, _ = kind(layer, h, masks[kind.name], c, False)
+            if isinstance(kind, Attention):
+                h, _ = kind(layer, h, masks[kind.name], c, False)
+            else:
+                h, records[i] = tree_gated_delta.tree_layer(layer, h, plan, c)
             if i in layer_ids:
                 wanted[i] = h
     features = mx.concatenate([wanted[i] for i in layer_ids], axis=-1)
-    return Forward(target.inner.norm(h), features)
+    return Forward(target.inner.norm(h), features, records)
+
+
+def commit(target: Target, cache: list, forward: Forward, offset: int, path: list[int]) -> None:
+    """Leave every layer's cache as if the ``path`` nodes had been fed after ``offset``."""
+    for kind, c, record in zip(target.kinds, cache, forward.records):
+        if isinstance(kind, Attention):
+            compact(c, offset, path)
+        else:
+            tree_gated_delta.commit(c, record, path)
 
 
 class TreeDecoder(SpeculativeDecoder):
@@ -93,13 +119,12 @@ class TreeDecoder(SpeculativeDecoder):
         """One draft-tree + verify + walk + commit cycle; returns the committed tokens."""
         values, tokens = self.candidates
         tree = build_tree(self.pending.item(), values.tolist(), tokens.tolist(), self.budget)
-        offset = self.cache[0].offset
+        offset = context_length(self.target, self.cache)
         out = tree_forward(self.target, tree, self.cache, self.layer_ids)
         logits = self._process(self.target.logits(out.hidden)[0], tree)
         choices = mx.argmax(logits, axis=-1).tolist()  # the cycle's sync
         path, bonus = walk(tree, choices)
-        for c in self.cache:
-            compact(c, offset, path)
+        commit(self.target, self.cache, out, offset, path)
         committed = [tree.tokens[i] for i in path]
         self.proposer.observe(out.features[:, mx.array(path)], mx.array(committed, dtype=mx.int32))
         self.tokens.extend(committed)

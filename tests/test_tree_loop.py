@@ -1,10 +1,11 @@
-"""The DDTree cycle on attention targets: lossless against mlx-lm greedy, walks
-through non-first children to every depth, and caches after each commit equal
-a fresh feed of the committed tokens."""
+"""The DDTree cycle: lossless against mlx-lm greedy on every family (attention
+and GatedDeltaNet hybrids), walks through non-first children to every depth,
+and caches after each commit close to a fresh feed of the committed tokens."""
 
 import mlx.core as mx
 import pytest
 import test_loop as chain
+from checkpoints import build_target
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
@@ -17,7 +18,7 @@ from dflash_mlx.sampling import BlockSampler, SamplingParams
 from dflash_mlx.tree_attention import PositionedRope, compact, tree_mask
 from dflash_mlx.tree_decoder import TreeDecoder
 
-ATTENTION_FAMILIES = ["llama", "qwen3", "qwen3_moe", "gpt_oss"]
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe"]
 BLOCK = 16
 
 
@@ -25,7 +26,7 @@ BLOCK = 16
 def loaded(target_dirs, draft_dir):
     """family -> (mlx-lm model, tokenizer, draft)."""
     out = {}
-    for family in ATTENTION_FAMILIES + ["qwen3_5"]:
+    for family in FAMILIES:
         model, tokenizer = mlx_lm_load(str(target_dirs[family]))
         out[family] = (model, tokenizer, load_draft(str(draft_dir(family, block_size=BLOCK))))
     return out
@@ -40,7 +41,7 @@ def run(decoder, prompt, n):
     return out, accepted
 
 
-@pytest.mark.parametrize("family", ATTENTION_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("budget", [4, 16, 32])
 def test_tree_greedy_output_is_mlx_lm_greedy_output(loaded, family, budget):
     model, tokenizer, draft = loaded[family]
@@ -65,8 +66,12 @@ def assert_cache_close_to_fresh_feed(target, cache, committed):
     fresh = target.make_cache()
     target.forward(mx.array(committed)[None], fresh, [0])
     for i, (c, f) in enumerate(zip(cache, fresh)):
-        assert c.offset == f.offset == len(committed), f"layer {i} offset"
-        for a, b in zip(c.keys_and_values(), f.keys_and_values()):
+        if isinstance(c, KVCache):
+            assert c.offset == f.offset == len(committed), f"layer {i} offset"
+            arrays = zip(c.keys_and_values(), f.keys_and_values())
+        else:  # GatedDeltaNet: conv window and recurrent state
+            arrays = zip(c.cache, f.cache)
+        for a, b in arrays:
             assert a.shape == b.shape, f"layer {i}"
             assert mx.allclose(a, b, rtol=FRESH_FEED_TOLERANCE, atol=FRESH_FEED_TOLERANCE).item(), f"layer {i}"
 
@@ -101,7 +106,7 @@ class TreeOracle:
         return mx.stack(rows)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_moe", "qwen3_5"])
 def test_tree_walk_follows_non_first_children_to_every_depth(loaded, family):
     model, tokenizer, _ = loaded[family]
     target = Target(model)
@@ -172,10 +177,10 @@ def test_positioned_rope_rotates_each_token_at_its_position(scaling):
 
 
 def test_tree_decoder_refuses_what_it_cannot_verify(loaded):
-    model, _, draft = loaded["qwen3_5"]
+    model, _ = build_target("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     target = Target(model)
-    with pytest.raises(DFlashError, match="gated_delta"):
-        TreeDecoder(target, DraftProposer(draft, target), [0], BLOCK, 8)
+    with pytest.raises(DFlashError, match="RoPE .DynamicNTKScalingRoPE"):
+        TreeDecoder(target, DraftProposer(loaded["llama"][2], target), [0], BLOCK, 8)
     model, _, draft = loaded["llama"]
     target = Target(model)
     with pytest.raises(DFlashError, match="greedy only"):
