@@ -21,6 +21,7 @@ from .errors import DFlashError
 from .forward_check import check_forward
 from .sampling import BlockSampler, SamplingParams
 from .target import Target
+from .tree_decoder import TreeDecoder
 
 CLEAR_CACHE_EVERY = 64  # cycles between frees of MLX's allocator cache on long runs
 
@@ -115,6 +116,7 @@ def stream_generate(
     frequency_penalty: Optional[float] = None,
     logit_bias: Optional[dict[int, float]] = None,
     context: Optional[ContextCache] = None,
+    tree_budget: Optional[int] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -129,6 +131,8 @@ def stream_generate(
     warns, above twice it is an error.
     ``context`` continues from caches that already hold a proper prefix of the
     prompt (only the rest is prefilled) and is left holding every fed token.
+    ``tree_budget`` B >= 1 verifies a DDTree of up to B drafted nodes per cycle
+    instead of one chain (``tree_decoder.py``; greedy only); 0 or None is the chain.
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})
     target = model if isinstance(model, Target) else Target(model)
@@ -136,6 +140,7 @@ def stream_generate(
     trained = draft.config.block_size
     block_size = trained if block_size is None else validate.block_size(block_size, trained)
     validate.logit_bias(logit_bias, target.vocab_size)
+    tree_budget = validate.tree_budget(tree_budget, getattr(target.args, "max_position_embeddings", None))
     sampler = BlockSampler(
         SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -157,17 +162,13 @@ def stream_generate(
     eos = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-
-    decoder = SpeculativeDecoder(
-        target,
-        DraftProposer(draft, target, context.draft),
-        draft.config.target_layer_ids,
-        block_size,
-        prefill_step_size,
-        sampler,
-        context.target,
-        context.tokens,
-    )
+    proposer = DraftProposer(draft, target, context.draft)
+    if tree_budget:
+        decoder = TreeDecoder(target, proposer, draft.config.target_layer_ids, block_size, tree_budget,
+                              prefill_step_size, sampler, context.target, context.tokens)
+    else:
+        decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, block_size,
+                                     prefill_step_size, sampler, context.target, context.tokens)
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
         tic = time.perf_counter()
         committed = [decoder.prefill(prompt_ids)]

@@ -1,8 +1,11 @@
 """DDTree on the public surface: the tree_budget argument and its checks."""
 
+import mlx.core as mx
 import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import generate_step
 
-from dflash_mlx import validate
+from dflash_mlx import generate, load_draft, stream_generate, validate
 from dflash_mlx.errors import DFlashError
 
 
@@ -25,3 +28,33 @@ def test_a_bad_tree_budget_is_one_line_error(value, message):
     with pytest.raises(DFlashError, match=message) as e:
         validate.tree_budget(value, 4096)
     assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def pair(target_dirs, draft_dir):
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3_5"]))
+    return model, tokenizer, load_draft(str(draft_dir("qwen3_5", block_size=8)))
+
+
+def test_generate_with_a_tree_budget_is_mlx_lm_greedy(pair):
+    model, tokenizer, draft = pair
+    prompt = "write a short story about a cat who"
+    want = [t for t, _ in generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=40)]
+    result = generate(model, draft, tokenizer, prompt, max_tokens=40, tree_budget=12)
+    assert result.tokens == want
+    assert result.finish_reason == "length"
+    assert sum(result.acceptance_lengths) == len(result.tokens) - 1  # tokens per cycle, as the chain reports
+    responses = list(stream_generate(model, draft, tokenizer, prompt, max_tokens=40, tree_budget=12, block_size=4))
+    assert [t for r in responses for t in r.tokens] == want  # a 4-block tree is at most 3 deep
+    assert all(r.accepted <= 3 for r in responses)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(tree_budget=-2), "tree_budget must be positive"),
+    (dict(tree_budget=10**9), "tree_budget must be at most the target's context length"),
+    (dict(tree_budget=4, temperature=0.7), "tree verification is greedy only"),
+])
+def test_stream_generate_refuses_a_bad_tree_request(pair, options, message):
+    model, tokenizer, draft = pair
+    with pytest.raises(DFlashError, match=message):
+        next(stream_generate(model, draft, tokenizer, "hello", max_tokens=4, **options))
