@@ -79,9 +79,10 @@ def generate(
     ),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or '-' to read it from stdin."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Stop after this many generated tokens."),
-    block_size: Optional[int] = typer.Option(
-        None, "--block-size", "-b",
-        help="Tokens per draft block, 2 to twice the draft's trained size (above it: a warning). Default: the trained size.",
+    block_size: str = typer.Option(
+        "auto", "--block-size", "-b",
+        help="Tokens per draft block: auto (chosen each cycle from this machine's measured costs and the "
+             "acceptance so far, up to the trained size) or 2 to twice the draft's trained size (above it: a warning).",
     ),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed the prompt as is."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
@@ -95,6 +96,10 @@ def generate(
     repetition_penalty: Optional[float] = typer.Option(
         None, "--repetition-penalty", help="mlx-lm's repetition penalty (> 0, e.g. 1.1), applied exactly."
     ),
+    tree_budget: int = typer.Option(
+        0, "--tree-budget", help="Verify a DDTree of up to this many drafted tokens per cycle instead of one "
+                                 "chain (greedy only; 0 = the chain).",
+    ),
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
     options = dict(max_tokens=max_tokens, prefill_step_size=prefill_step_size, temperature=temp,
@@ -106,20 +111,23 @@ def generate(
         from .registry import read_config, resolve_pair
 
         validate.options(options, GENERATE_FLAGS)
-        if block_size is not None and block_size < 2:
-            raise DFlashError(f"--block-size must be at least 2, got {block_size}")
+        tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
+        block_size = validate.block_option(block_size, "--block-size")
         text = _read_prompt(prompt)
         pair = resolve_pair(model, draft)
         if pair.demo:
             _note("no --model given: using the bundled demo pair (a tiny Qwen3.5-hybrid Python code "
                   "model and its trained draft, offline); pass --model for a real model")
         trained = DraftConfig.from_dict(read_config(pair.draft, "draft")).block_size
-        if block_size is not None:
-            validate.block_size(block_size, trained, "--block-size", warn=lambda m: _note(f"warning: {m}"))
+        if tree_budget:
+            config = read_config(pair.target, "target")
+            context = (config.get("text_config") or config).get("max_position_embeddings")
+            validate.tree_budget(tree_budget, context, "--tree-budget")
+        validate.block_size(block_size, trained, "--block-size", warn=lambda m: _note(f"warning: {m}"))
         chat = None
         if not no_chat_template:
             chat = dict(system=system, enable_thinking=pair.enable_thinking if thinking is None else thinking)
-        _run(pair.target, pair.draft, text, chat, block_size=block_size, **options)
+        _run(pair.target, pair.draft, text, chat, block_size=block_size, tree_budget=tree_budget, **options)
     except DFlashError as e:
         _fail(str(e))
 
@@ -138,7 +146,8 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], **option
     if chat is not None and has_template(tokenizer):
         text = apply_template(tokenizer, text, **chat)
         note = thinking_note(chat["enable_thinking"])
-    accepted = cycles = 0
+    accepted = cycles = drafted = 0
+    blocks: dict[int, int] = {}
     last = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UntrainedBlockWarning)  # the command warned already
@@ -150,17 +159,27 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], **option
             if last is not None:
                 cycles += 1
                 accepted += r.accepted
+                drafted += r.block_size - 1
+                blocks[r.block_size] = blocks.get(r.block_size, 0) + 1
             last = r
     sys.stdout.write("\n")
-    b = options["block_size"] or draft.config.block_size
     tau = (accepted + cycles) / cycles if cycles else float("nan")
-    rate = accepted / (cycles * (b - 1)) if cycles else float("nan")
+    rate = f"{accepted / drafted:.1%}" if drafted else "-"
     _note(
         f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
         f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
-        f"tau {tau:.2f} tokens/cycle over {cycles} cycles (block {b}), "
-        f"draft acceptance {rate:.1%} | peak memory {last.peak_memory:.2f} GB"
+        f"tau {tau:.2f} tokens/cycle over {cycles} cycles ({block_summary(options['block_size'], blocks)}), "
+        f"draft acceptance {rate} | peak memory {last.peak_memory:.2f} GB"
     )
+
+
+def block_summary(block_size, blocks: dict[int, int]) -> str:
+    """``block 16`` for a fixed block; ``block auto: 16x40 8x3 1x2`` (block x
+    cycles, most used first) for the adaptive one."""
+    if block_size != "auto":
+        return f"block {block_size}"
+    counts = sorted(blocks.items(), key=lambda kv: (-kv[1], -kv[0]))
+    return "block auto: " + (" ".join(f"{b}x{n}" for b, n in counts) or "no cycles")
 
 
 @app.command()
@@ -321,7 +340,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' on every route."),
     max_queue: int = typer.Option(32, "--max-queue", help="Requests that may wait behind the one decoding; more get HTTP 429."),
     prefix_cache_gb: float = typer.Option(2.0, "--prefix-cache-gb", help="Memory for reusing earlier requests' caches (0: off)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Tokens per draft block. Default: the draft's trained size."),
+    block_size: str = typer.Option("auto", "--block-size", "-b", help="Tokens per draft block: auto (chosen each cycle from measured costs and acceptance) or 2 to twice the draft's trained size."),
 ):
     """OpenAI-compatible HTTP server (chat and text completions, streaming) over one DFlash pair."""
     _call(".server.command", "main", **locals())

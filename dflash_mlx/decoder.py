@@ -10,10 +10,11 @@ reads one small result per cycle.
 """
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import mlx.core as mx
 
+from .block_policy import BlockPolicy, FixedBlock
 from .draft import DFlashDraft
 from .sampling import BlockSampler, SamplingParams
 from .target import Target
@@ -70,14 +71,19 @@ class Cycle:
 
 
 class SpeculativeDecoder:
-    """Prefill, then verify-and-commit cycles over one target cache."""
+    """Prefill, then verify-and-commit cycles over one target cache.
+
+    ``block_size`` is a fixed block or a ``BlockPolicy``, asked for b before
+    each block is drafted and told each cycle's outcome; b = 1 drafts nothing
+    and the cycle is a plain target step.
+    """
 
     def __init__(
         self,
         target: Target,
         proposer: Proposer,
         layer_ids: list[int],
-        block_size: int,
+        block_size: Union[int, BlockPolicy],
         prefill_step_size: int = 2048,
         sampler: Optional[BlockSampler] = None,
         cache: Optional[list] = None,
@@ -86,9 +92,13 @@ class SpeculativeDecoder:
         self.target = target
         self.proposer = proposer
         self.layer_ids = layer_ids
-        self.block_size = block_size
+        fixed = isinstance(block_size, int)
+        self.policy: BlockPolicy = FixedBlock(block_size) if fixed else block_size
+        self.block_size: Optional[int] = block_size if fixed else None  # the queued draft's block
         self.prefill_step_size = prefill_step_size
         self.sampler = sampler or BlockSampler(SamplingParams())
+        q = None if self.sampler.greedy else mx.zeros((0, target.vocab_size), dtype=mx.float32)
+        self.no_draft = (mx.zeros((0,), dtype=mx.int32), q)  # the "proposal" of a plain step
         self.cache = target.make_cache() if cache is None else cache
         self.tokens = [] if tokens is None else tokens  # ids the cache holds, extended in place
         self.recent: list[int] = []  # committed tokens the logits processors may see
@@ -120,6 +130,10 @@ class SpeculativeDecoder:
 
     def _queue_draft(self) -> None:
         # start drafting the next block while the host streams this cycle's text
+        self.block_size = self.policy.choose()
+        if self.block_size == 1:  # speculation off: verify y alone, no draft pass
+            self.drafted, self.draft_logprobs = self.no_draft
+            return
         logits = self.proposer.propose(self.pending, self.block_size)
         self.drafted, self.draft_logprobs = self.sampler.draft(logits)
         mx.async_eval(self.drafted)
@@ -134,6 +148,7 @@ class SpeculativeDecoder:
         accepted, next_token = self.sampler.verify(logits, drafted, self.draft_logprobs)
         mx.eval(accepted, next_token, drafted)  # the one sync of the cycle
         a = accepted.item()
+        self.policy.update(block.size, a)
         committed = block[: a + 1].tolist()
         self.target.rollback(self.cache, out, a + 1)
         self.proposer.observe(out.features[:, : a + 1], block[: a + 1])

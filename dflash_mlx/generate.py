@@ -13,7 +13,9 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import cost_curve as costs
 from . import validate
+from .block_policy import AdaptiveBlock, FixedBlock
 from .chat import encode
 from .decoder import ContextCache, DraftProposer, SpeculativeDecoder
 from .draft import DFlashDraft
@@ -39,6 +41,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float  # GB, from mx.get_peak_memory
     finish_reason: Optional[str] = None  # "stop" | "length" | None
+    block_size: int = 0  # block verified this cycle (0 for the prefill token, 1: a plain target step)
 
 
 @dataclass
@@ -48,6 +51,7 @@ class GenerationResult:
     text: str
     tokens: list[int]
     acceptance_lengths: list[int] = field(default_factory=list)  # a+1 per cycle
+    block_sizes: list[int] = field(default_factory=list)  # the block of each cycle
     finish_reason: Optional[str] = None
     prompt_tokens: int = 0
     prompt_tps: float = 0.0
@@ -102,7 +106,7 @@ def stream_generate(
     draft: DFlashDraft,
     tokenizer,
     prompt: Union[str, list[int], mx.array],
-    block_size: Optional[int] = None,
+    block_size: Union[int, str, None] = "auto",
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -117,6 +121,7 @@ def stream_generate(
     logit_bias: Optional[dict[int, float]] = None,
     context: Optional[ContextCache] = None,
     tree_budget: Optional[int] = None,
+    cost_curve: Optional[costs.CostCurve] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -128,7 +133,12 @@ def stream_generate(
     Generation stops at EOS (not emitted) or after exactly ``max_tokens``
     tokens. ``seed`` makes sampling reproducible. Arguments are checked by
     ``dflash_mlx.validate``; a ``block_size`` above the draft's trained size
-    warns, above twice it is an error.
+    warns, above twice it is an error. ``block_size="auto"`` (the default)
+    picks each cycle's block, 1 to the trained size, for the most expected
+    tokens per second (``block_policy.AdaptiveBlock``) from ``cost_curve``
+    (default: the pair's, measured on this machine at first use and cached,
+    ``cost_curve.py``); None is the trained size. The block never changes
+    the output's distribution; each response reports the block it used.
     ``context`` continues from caches that already hold a proper prefix of the
     prompt (only the rest is prefilled) and is left holding every fed token.
     ``tree_budget`` B >= 1 verifies a DDTree of up to B drafted nodes per cycle
@@ -163,18 +173,23 @@ def stream_generate(
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     proposer = DraftProposer(draft, target, context.draft)
-    if tree_budget:
-        decoder = TreeDecoder(target, proposer, draft.config.target_layer_ids, block_size, tree_budget,
+    if tree_budget:  # the tree drafts b-1 positions deep
+        depth_block = block_size if isinstance(block_size, int) else trained
+        decoder = TreeDecoder(target, proposer, draft.config.target_layer_ids, depth_block, tree_budget,
                               prefill_step_size, sampler, context.target, context.tokens)
     else:
-        decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, block_size,
+        if block_size == validate.AUTO:
+            policy = AdaptiveBlock(cost_curve or costs.cost_curve(target, draft), trained)
+        else:
+            policy = FixedBlock(block_size)
+        decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,
                                      prefill_step_size, sampler, context.target, context.tokens)
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
         tic = time.perf_counter()
         committed = [decoder.prefill(prompt_ids)]
         prompt_tps = prompt_ids.size / (time.perf_counter() - tic)
         tic = time.perf_counter()
-        accepted = generated = cycles = 0
+        accepted = generated = cycles = used = 0
         while True:
             emitted, finish = [], None
             for token in committed:
@@ -200,9 +215,11 @@ def stream_generate(
                 generation_tps=generated / (time.perf_counter() - tic),
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish,
+                block_size=used,
             )
             if finish:
                 return
+            used = decoder.block_size
             cycle = decoder.cycle()
             committed, accepted = cycle.tokens, cycle.accepted
             cycles += 1
@@ -218,6 +235,7 @@ def generate(model, draft, tokenizer, prompt, **kwargs) -> GenerationResult:
         result.tokens += r.tokens
         if i > 0:
             result.acceptance_lengths.append(r.accepted + 1)
+            result.block_sizes.append(r.block_size)
         result.finish_reason = r.finish_reason
         result.prompt_tokens = r.prompt_tokens
         result.prompt_tps = r.prompt_tps

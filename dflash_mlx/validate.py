@@ -7,7 +7,7 @@ caller knows it (``max_tokens`` in Python, ``--max-tokens`` on the command line)
 import math
 import warnings
 from numbers import Integral, Real
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 
@@ -15,6 +15,7 @@ from .errors import DFlashError
 
 MAX_SEED = 2**64  # mx.random.seed takes an unsigned 64-bit integer
 BLOCK_CAP_FACTOR = 2  # a block may be at most this many times the draft's trained size
+AUTO = "auto"  # block_size: chosen per cycle from the cost curve and acceptance (block_policy.py)
 
 
 class UntrainedBlockWarning(UserWarning):
@@ -72,15 +73,32 @@ def options(values: dict, flags: Optional[dict] = None) -> None:
         RULES[key](value, (flags or {}).get(key, key))
 
 
+def block_option(text: str, name: str = "--block-size") -> Union[int, str]:
+    """A command-line block size: ``auto`` or an integer of at least 2."""
+    if text.strip() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise DFlashError(f"Invalid value for '{name}': '{text}' is not an integer or 'auto'") from None
+    if value < 2:
+        raise DFlashError(f"{name} must be at least 2, got {value}")
+    return value
+
+
 def block_size(value, trained: int, name: str = "block_size",
-               warn: Optional[Callable[[str], None]] = None) -> int:
-    """An integer from 2 to ``BLOCK_CAP_FACTOR`` times the draft's trained block size.
+               warn: Optional[Callable[[str], None]] = None) -> Union[int, str]:
+    """``"auto"``, or an integer from 2 to ``BLOCK_CAP_FACTOR`` times the draft's trained block size.
 
     Above the trained size the draft predicts positions it never learned: that
     is allowed, with a warning (``warn(message)``, by default an
     ``UntrainedBlockWarning``); beyond the cap those positions are all but never
     accepted while each still costs a verified token, so it is an error.
     """
+    if isinstance(value, str):
+        if value == AUTO:
+            return AUTO
+        raise DFlashError(f"{name} must be an integer or '{AUTO}', got {value!r}")
     value = integer(value, name)
     if value < 2:
         raise DFlashError(f"{name} must be at least 2, got {value}")

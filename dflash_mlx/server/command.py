@@ -1,16 +1,17 @@
 """Entry point of ``dflash-mlx serve`` (the CLI parses options and calls ``main``)."""
 
 import sys
-from typing import Optional
+from typing import Optional, Union
 
 from ..errors import DFlashError
+from ..validate import block_option
 from ..registry import Pair, resolve_pair
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache_gb: float,
-                  block_size: Optional[int]) -> None:
+                  block_size: Union[int, str, None]) -> None:
     """Raise a one-line DFlashError for an option out of range."""
     if not 0 <= port <= 65535:
         raise DFlashError(f"--port must be in 0..65535, got {port}")
@@ -20,18 +21,19 @@ def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache
         raise DFlashError(f"--max-queue must be >= 0, got {max_queue}")
     if prefix_cache_gb < 0:
         raise DFlashError(f"--prefix-cache-gb must be >= 0, got {prefix_cache_gb}")
-    if block_size is not None and block_size < 2:
-        raise DFlashError(f"--block-size must be at least 2, got {block_size}")
+    if block_size is not None:
+        block_option(str(block_size), "--block-size")
 
 
 def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_tokens_limit: int,
-         api_key: Optional[str], max_queue: int, prefix_cache_gb: float, block_size: Optional[int]) -> None:
+         api_key: Optional[str], max_queue: int, prefix_cache_gb: float, block_size: str) -> None:
     """``dflash-mlx serve``: resolve the pair (the demo pair without --model)
     and serve it; progress goes to stderr."""
     pair = resolve_pair(model, draft)
     if pair.demo:
         _log("no --model given: serving the bundled demo pair (offline); pass --model for a real model")
-    serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb, block_size)
+    serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb,
+          block_option(block_size, "--block-size"))
 
 
 def _log(message: str) -> None:
@@ -40,7 +42,7 @@ def _log(message: str) -> None:
 
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limit: int = 4096,
           api_key: Optional[str] = None, max_queue: int = 32, prefix_cache_gb: float = 2.0,
-          block_size: Optional[int] = None) -> None:
+          block_size: Union[int, str, None] = "auto") -> None:
     """Check the options, load ``pair`` on the worker thread, then serve it
     until interrupted (DFlashError for a bad option or pair)."""
     import uvicorn

@@ -107,7 +107,7 @@ class Job:
 class Engine:
     """Loads the pair on its worker thread and runs queued requests there."""
 
-    def __init__(self, model: str, draft: str, block_size: Optional[int] = None,
+    def __init__(self, model: str, draft: str, block_size: Union[int, str, None] = "auto",
                  max_queue: int = 32, prefix_cache_bytes: int = 0):
         self.model_id, self.draft_id = model, draft
         self.block_size = block_size

@@ -1,0 +1,275 @@
+"""The block size per cycle: the adaptive policy's choices from a fixed
+synthetic cost curve (no timing enters), the decoder's plain target step at
+b = 1, and losslessness whatever the blocks: greedy output equals mlx-lm's for
+auto and every fixed block on several families, and auto at temperature > 0
+passes the same distribution check as the chain."""
+
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_lm_load
+
+from checkpoints import build_target
+from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generate
+from dflash_mlx.block_policy import PROBE_EVERY, AdaptiveBlock, FixedBlock
+from dflash_mlx.cost_curve import CostCurve
+from dflash_mlx.decoder import SpeculativeDecoder
+from dflash_mlx.sampling import BlockSampler, SamplingParams
+from test_loop import assert_same_or_near_tie, greedy_reference
+from test_sampling import NoisyTargetProposer, exact_joint, pvalues
+
+# a verify pass costs 1 + b/10, a draft pass 0.3 + b/20 (arbitrary units)
+CURVE = CostCurve((1, 2, 4, 8, 16), (1.1, 1.2, 1.4, 1.8, 2.6), (0.0, 0.4, 0.5, 0.7, 1.1))
+FLAT = CostCurve((1, 16), (1.0, 1.0), (0.0, 1e-9))  # speculation is free: the largest block wins
+STEEP = CostCurve((1, 16), (1.0, 16.0), (0.0, 16.0))  # a block costs as much as its plain steps
+
+
+class Linear:
+    """cycle_seconds(b) = a + s * (b - 1) (+ d for a draft pass)."""
+
+    def __init__(self, a, s, d):
+        self.a, self.s, self.d = a, s, d
+
+    def cycle_seconds(self, b):
+        return self.a + self.s * (b - 1) + (self.d if b > 1 else 0.0)
+
+
+def test_fixed_block_always_answers_its_block():
+    policy = FixedBlock(5)
+    policy.update(5, 0)
+    assert [policy.choose() for _ in range(3)] == [5, 5, 5]
+
+
+def test_expected_tokens_follow_the_per_position_acceptance():
+    policy = AdaptiveBlock(FLAT, 4, prior=0.5)
+    assert [policy.expected_tokens(b) for b in (1, 2, 3, 4)] == [1.0, 1.5, 1.75, 1.875]
+    policy.acceptance = [1.0, 0.5, 0.0]
+    assert [policy.expected_tokens(b) for b in (1, 2, 3, 4)] == [1.0, 2.0, 2.5, 2.5]
+
+
+def test_the_choice_maximises_expected_tokens_per_second():
+    assert AdaptiveBlock(FLAT, 16).choose() == 16
+    assert AdaptiveBlock(STEEP, 16).choose() == 1
+    policy = AdaptiveBlock(Linear(1.0, 0.1, 0.3), 16, prior=0.6)
+    rates = {b: policy.expected_tokens(b) / (1.0 + 0.1 * (b - 1) + (0.3 if b > 1 else 0)) for b in range(1, 17)}
+    assert policy.choose() == max(rates, key=rates.get) == 4
+    assert AdaptiveBlock(Linear(1.0, 0.1, 0.3), 16, prior=0.95).choose() == 16
+    assert AdaptiveBlock(FLAT, 8).choose() == 8  # never past max_block
+
+
+def test_outcomes_update_only_the_positions_a_cycle_reached():
+    policy = AdaptiveBlock(FLAT, 6, prior=0.5, rate=0.5)
+    policy.update(4, 1)  # position 1 accepted, 2 rejected, 3 never judged
+    assert policy.acceptance == [0.75, 0.25, 0.5, 0.5, 0.5]
+    policy.update(3, 2)  # every drafted position accepted: no rejection to count
+    assert policy.acceptance == [0.875, 0.625, 0.5, 0.5, 0.5]
+
+
+def test_rejections_turn_speculation_off_and_probes_bring_it_back():
+    policy = AdaptiveBlock(Linear(1.0, 0.1, 0.3), 16)
+    chosen = []
+    for _ in range(40):  # the draft is always wrong
+        b = policy.choose()
+        chosen.append(b)
+        policy.update(b, 0)
+    first_plain = chosen.index(1)
+    assert all(b > 1 for b in chosen[:first_plain])
+    tail = chosen[first_plain:]
+    probes = [i for i, b in enumerate(tail) if b > 1]
+    assert probes and all(tail[i] < chosen[0] for i in probes)  # the first position is known bad
+    assert all(j - i == PROBE_EVERY for i, j in zip(probes, probes[1:]))
+    turned = len(chosen)
+    for _ in range(100):  # now the draft is always right: the probes find out
+        b = policy.choose()
+        chosen.append(b)
+        policy.update(b, b - 1)
+    speculating = chosen[turned + PROBE_EVERY:]
+    assert all(a <= b for a, b in zip(speculating, speculating[1:]))  # grows as positions prove good
+    assert chosen[-10:] == [16] * 10
+
+
+def test_the_choices_are_deterministic_given_curve_and_outcomes():
+    outcomes = np.random.default_rng(0).integers(0, 16, size=200)
+
+    def run():
+        policy, out = AdaptiveBlock(CURVE, 16), []
+        for a in outcomes:
+            b = policy.choose()
+            out.append(b)
+            policy.update(b, min(int(a), b - 1))
+        return out
+
+    first = run()
+    assert first == run() and len(set(first)) > 2
+
+
+class ScriptedPolicy:
+    """Answers a fixed sequence of blocks and records the outcomes."""
+
+    def __init__(self, blocks):
+        self.blocks = list(blocks)
+        self.outcomes = []
+
+    def choose(self):
+        return self.blocks.pop(0)
+
+    def update(self, block_size, accepted):
+        self.outcomes.append((block_size, accepted))
+
+
+class CountingOracle:
+    """Proposes the target's greedy continuation; records each block asked for."""
+
+    def __init__(self, prompt_len, continuation, vocab_size):
+        self.position, self.prompt_len = 0, prompt_len
+        self.continuation, self.vocab_size = continuation, vocab_size
+        self.asked = []
+
+    def observe(self, features, tokens):
+        self.position += tokens.size
+
+    def propose(self, y, block_size):
+        self.asked.append(block_size)
+        start = self.position - self.prompt_len + 1
+        tokens = self.continuation[start : start + block_size - 1]
+        return (mx.arange(self.vocab_size)[None] == mx.array(tokens)[:, None]).astype(mx.float32)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(target_dirs, draft_dir):
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3_5"]))
+    return model, tokenizer, load_draft(str(draft_dir("qwen3_5", block_size=16)))
+
+
+def test_a_block_of_one_is_a_plain_target_step_with_no_draft_pass(qwen3_5):
+    """Blocks 1 and larger interleave on a hybrid target; b = 1 commits exactly
+    the target's one token and never calls the proposer."""
+    model, tokenizer, _ = qwen3_5
+    target = Target(model)
+    prompt = tokenizer.encode("the quick brown fox")
+    continuation = greedy_reference(model, prompt, 60)
+    oracle = CountingOracle(len(prompt), continuation, target.vocab_size)
+    blocks = [1, 1, 4, 1, 2, 8, 1, 1, 3, 1]
+    policy = ScriptedPolicy(blocks + [1])
+    decoder = SpeculativeDecoder(target, oracle, [0], policy, prefill_step_size=3)
+    out = [decoder.prefill(mx.array(prompt))]
+    for b in blocks:
+        assert decoder.block_size == b
+        cycle = decoder.cycle()
+        assert len(cycle.tokens) == b and cycle.accepted == b - 1  # the oracle is always right
+        out += cycle.tokens
+    assert out == continuation[: len(out)]
+    assert oracle.asked == [b for b in blocks if b > 1]
+    assert policy.outcomes == [(b, b - 1) for b in blocks]
+
+
+def test_a_plain_step_samples_from_the_target_when_sampling(qwen3_5):
+    model, tokenizer, _ = qwen3_5
+    target = Target(model)
+    prompt = mx.array(tokenizer.encode("hello world"))
+    sampler = BlockSampler(SamplingParams(temperature=1.0, seed=3))
+    decoder = SpeculativeDecoder(target, CountingOracle(0, [], target.vocab_size), [0],
+                                 ScriptedPolicy([1] * 9), sampler=sampler)
+    decoder.prefill(prompt)
+    tokens = [t for _ in range(8) for t in decoder.cycle().tokens]
+    assert len(tokens) == 8 and len(set(tokens)) > 1
+
+
+FAMILIES = ["llama", "qwen3_5", "qwen3_moe", "gpt_oss"]
+PROMPTS = ["the quick brown fox", "write a short story about a cat who"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_output_is_the_same_for_auto_and_every_fixed_block(target_dirs, draft_dir, family):
+    model, tokenizer = mlx_lm_load(str(target_dirs[family]))
+    draft = load_draft(str(draft_dir(family, block_size=16)))
+    blocks_seen = set()
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        want = greedy_reference(model, ids, 48)
+        if tokenizer.eos_token_id in want:
+            want = want[: want.index(tokenizer.eos_token_id)]
+        for block_size in ["auto", 2, 4, 8, 16]:
+            res = generate(model, draft, tokenizer, ids, max_tokens=48, block_size=block_size,
+                           cost_curve=CURVE)
+            assert_same_or_near_tie(model, ids, res.tokens, want)
+            if block_size == "auto":
+                blocks_seen |= set(res.block_sizes)
+            else:
+                assert set(res.block_sizes) == {block_size}
+    assert 1 in blocks_seen and len(blocks_seen) > 1, "auto never switched blocks: proves little"
+
+
+def test_responses_report_the_block_of_each_cycle(qwen3_5):
+    model, tokenizer, draft = qwen3_5
+    responses = list(stream_generate(model, draft, tokenizer, "hello", max_tokens=30, cost_curve=CURVE))
+    assert responses[0].block_size == 0  # the prefill token
+    assert all(1 <= r.block_size <= 16 for r in responses[1:])
+    assert all(r.accepted < r.block_size for r in responses[1:])
+    res = generate(model, draft, tokenizer, "hello", max_tokens=30, cost_curve=CURVE)
+    assert res.block_sizes == [r.block_size for r in responses[1:]]
+    assert res.tokens == [t for r in responses for t in r.tokens]
+
+
+def test_auto_is_the_default_and_reads_the_cached_curve(qwen3_5, tmp_path, monkeypatch):
+    """Without a curve the pair's is taken from the cache (measured there once)."""
+    from dflash_mlx import cost_curve as cc
+
+    model, tokenizer, draft = qwen3_5
+    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
+    target = Target(model)
+    cc.write_cached(cc.cache_path(cc.cache_key(target, draft)), cc.cache_key(target, draft), STEEP)
+    res = generate(target, draft, tokenizer, "hello", max_tokens=12)
+    assert res.block_sizes[:PROBE_EVERY] == [1] * (PROBE_EVERY - 1) + [res.block_sizes[PROBE_EVERY - 1]]
+    assert res.block_sizes[PROBE_EVERY - 1] > 1  # the curve alone says never speculate: a probe
+    assert res.tokens == greedy_reference(model, tokenizer.encode("hello"), 12)
+
+
+def test_seeded_sampling_with_auto_reproduces(qwen3_5):
+    model, tokenizer, draft = qwen3_5
+    runs = [generate(model, draft, tokenizer, "hello", max_tokens=24, temperature=1.0, seed=s,
+                     cost_curve=CURVE) for s in (5, 5, 6)]
+    assert runs[0].tokens == runs[1].tokens and runs[0].block_sizes == runs[1].block_sizes
+    assert runs[0].tokens != runs[2].tokens
+
+
+@pytest.mark.parametrize("value, message", [
+    ("big", "block_size must be an integer or 'auto', got 'big'"),
+    ("Auto", "block_size must be an integer or 'auto'"),
+    (1, "block_size must be at least 2"),
+])
+def test_block_size_takes_auto_or_an_integer(qwen3_5, value, message):
+    model, tokenizer, draft = qwen3_5
+    with pytest.raises(DFlashError, match=message):
+        next(stream_generate(model, draft, tokenizer, "hello", block_size=value))
+
+
+V, PROMPT, RUNS, POSITIONS = 16, [3, 7, 1, 9, 4, 12], 1200, 4
+ALPHA = 1e-3 / 4
+
+
+def test_auto_at_temperature_one_follows_the_targets_distribution():
+    """The chain's distribution check (tests/test_sampling.py) with the block
+    chosen per cycle by one adaptive policy carried across all runs, so runs
+    start from different blocks, 1 included."""
+    model, _ = build_target("qwen3_5", vocab_size=V, seed=3)
+    inner = model.language_model.model
+    inner.norm.weight = inner.norm.weight * 0.25
+    target, memo = Target(model), {}
+    params = SamplingParams(temperature=1.0)
+    policy = AdaptiveBlock(Linear(1.0, 0.4, 1.0), 4, probe_every=2)
+    tokens, blocks = [], []
+    for seed in range(RUNS):
+        decoder = SpeculativeDecoder(target, NoisyTargetProposer(model, memo), [0], policy,
+                                     sampler=BlockSampler(replace(params, seed=seed)))
+        out = [decoder.prefill(mx.array(PROMPT))]
+        while len(out) < POSITIONS:
+            blocks.append(decoder.block_size)
+            out += decoder.cycle().tokens
+        tokens.append(out[:POSITIONS])
+    counts = np.bincount(blocks, minlength=5)
+    assert counts[1] > 100 and counts[2:].sum() > 100, f"blocks used {counts}: too one-sided to bite"
+    for position, p in pvalues(np.array(tokens), exact_joint(model, params)).items():
+        assert p > ALPHA, f"{position}: p = {p:.2e}"
