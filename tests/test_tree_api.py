@@ -1,5 +1,8 @@
 """DDTree on the public surface: the tree_budget argument and its checks."""
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_lm_load
@@ -58,3 +61,30 @@ def test_stream_generate_refuses_a_bad_tree_request(pair, options, message):
     model, tokenizer, draft = pair
     with pytest.raises(DFlashError, match=message):
         next(stream_generate(model, draft, tokenizer, "hello", max_tokens=4, **options))
+
+
+def dflash(*args, cwd):
+    proc = subprocess.run([sys.executable, "-m", "dflash_mlx", *map(str, args)], capture_output=True,
+                          input=b"", cwd=cwd)
+    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+
+
+def test_the_command_line_generates_with_a_tree(pair, target_dirs, draft_dir, tmp_path):
+    model, tokenizer, draft = pair
+    prompt = "the quick brown fox"
+    want = [t for t, _ in generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=12)]
+    code, out, err = dflash("generate", "-m", target_dirs["qwen3_5"], "-d", draft_dir("qwen3_5", block_size=8),
+                            "-p", prompt, "-n", 12, "--no-chat-template", "--tree-budget", 6, cwd=tmp_path)
+    assert code == 0, err
+    assert out.strip() == tokenizer.decode(want).strip()
+    assert "tokens/cycle" in err
+
+
+@pytest.mark.parametrize("budget,message", [
+    (-1, "error: --tree-budget must be positive (0: no tree), got -1"),
+    (4097, "error: --tree-budget must be at most the target's context length 4096, got 4097"),
+])
+def test_the_command_line_refuses_a_bad_tree_budget(target_dirs, draft_dir, tmp_path, budget, message):
+    code, out, err = dflash("generate", "-m", target_dirs["qwen3_5"], "-d", draft_dir("qwen3_5", block_size=8),
+                            "-p", "hi", "--tree-budget", budget, cwd=tmp_path)
+    assert code == 1 and out == "" and err.strip().splitlines() == [message]
