@@ -301,7 +301,7 @@ def bench(
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash draft. Default: the registry's draft for --model (or the demo pair's)."),
     prompts: str = typer.Option("builtin", "--prompts", "-p", help="builtin (32 tagged prompts), demo (the demo pair's held-out prompts) or a JSONL file of {prompt, category, id}."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens generated per run."),
-    block_size: Optional[list[str]] = typer.Option(None, "--block-size", "-b", help="Block size(s) to compare; repeat or comma-separate (e.g. -b 16,8,4). Default: the draft's."),
+    block_size: Optional[list[str]] = typer.Option(None, "--block-size", "-b", help="Block size(s) to compare: integers or auto (chosen per cycle); repeat or comma-separate (e.g. -b auto,16,8,4). Default: auto."),
     temp: float = typer.Option(0.0, "--temp", "-t", help="Sampling temperature (0: greedy, where token identity is checked)."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),

@@ -273,3 +273,42 @@ def test_auto_at_temperature_one_follows_the_targets_distribution():
     assert counts[1] > 100 and counts[2:].sum() > 100, f"blocks used {counts}: too one-sided to bite"
     for position, p in pvalues(np.array(tokens), exact_joint(model, params)).items():
         assert p > ALPHA, f"{position}: p = {p:.2e}"
+
+
+def test_bench_runs_an_auto_arm_beside_fixed_blocks(target_dirs, draft_dir, tmp_path, monkeypatch):
+    """The auto arm reads the pair's cached curve, stays identical to the
+    baseline, and its report carries the blocks of every cycle."""
+    from rich.console import Console
+
+    from dflash_mlx import cost_curve as cc
+    from dflash_mlx.bench import report, runs
+    from dflash_mlx.bench.command import parse_block_sizes
+    from dflash_mlx.bench.render import render
+
+    assert parse_block_sizes(["auto,16", "8", "auto"]) == ["auto", 16, 8]
+    with pytest.raises(DFlashError, match="'x' is not an integer or 'auto'"):
+        parse_block_sizes(["auto,x"])
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    draft = load_draft(str(draft_dir("qwen3", block_size=4)))
+    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
+    key = cc.cache_key(Target(model), draft)
+    cc.write_cached(cc.cache_path(key), key, CostCurve((1, 2, 4), (1.0, 1.2, 1.6), (0.0, 0.5, 0.7)))
+    prompts = [{"prompt": p, "category": "c", "id": str(i)} for i, p in enumerate(PROMPTS)]
+    result = runs.run_bench(model, draft, tokenizer, prompts, block_sizes=["auto", 4], max_tokens=24,
+                            chat_template=False, warmup_tokens=0)
+    config = {"model": "t", "draft": "d", "max_tokens": 24, "block_sizes": ["auto", 4], "repeat": 1,
+              "temperature": 0.0, "dtype": "checkpoint", "chat_template": False, "prompts": "test"}
+    made = report.make_report(result, config, report.machine_info())
+    report.validate_report(made)
+    auto = made["summary"]["dflash"]["auto"]
+    assert auto["identical"] == auto["compared"] == 2
+    blocks = [b for r in made["runs"] if r["block_size"] == "auto" for b in r["blocks"]]
+    assert auto["block_histogram"] == {str(b): blocks.count(b) for b in sorted(set(blocks))}
+    assert sum(auto["block_histogram"].values()) == auto["cycles"] == sum(auto["accepted_histogram"])
+    drafted = sum(b - 1 for b in blocks)
+    accepted = sum(a for r in made["runs"] if r["block_size"] == "auto" for a in r["accepted"])
+    assert auto["acceptance_rate"] == (accepted / drafted if drafted else None)
+    console = Console(record=True, width=200)
+    render(made, console)
+    text = console.export_text()
+    assert "DFlash b=auto" in text and "blocks used per cycle, b=auto" in text

@@ -7,9 +7,11 @@ from typing import Optional
 
 from .. import validate
 from ..chat import has_template, thinking_note
+from ..cost_curve import cost_curve
 from ..draft import DraftConfig
 from ..errors import DFlashError
 from ..registry import read_config, resolve_pair
+from ..target import Target
 from .calibrate import main_calibrate
 from .predict import main_predict
 from .prompts import select_prompts
@@ -22,8 +24,9 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed"}
 
 
-def parse_block_sizes(values: Optional[list[str]]) -> Optional[list[int]]:
-    """Repeated and/or comma-separated block sizes, in order, without duplicates."""
+def parse_block_sizes(values: Optional[list[str]]) -> Optional[list]:
+    """Repeated and/or comma-separated block sizes (integers or ``auto``), in
+    order, without duplicates."""
     if not values:
         return None
     out = []
@@ -32,12 +35,7 @@ def parse_block_sizes(values: Optional[list[str]]) -> Optional[list[int]]:
             part = part.strip()
             if not part:
                 continue
-            try:
-                b = int(part)
-            except ValueError:
-                raise DFlashError(f"--block-size takes integers, got '{part}'") from None
-            if b < 2:
-                raise DFlashError(f"--block-size must be at least 2, got {b}")
+            b = validate.block_option(part, "--block-size")
             if b not in out:
                 out.append(b)
     return out or None
@@ -62,6 +60,8 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     if json_out:
         check_output_file(json_out, "--json")
     if predict:
+        if sizes and validate.AUTO in sizes:
+            raise DFlashError("--predict prices fixed block sizes; leave 'auto' out of --block-size")
         main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
                      block_sizes=sizes, chips=chip, context=context,
                      dtype=None if dtype in ("auto", "keep") else dtype,
@@ -106,8 +106,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     pair = resolve_pair(model, draft)
     trained = DraftConfig.from_dict(read_config(pair.draft, "draft")).block_size
     warn = lambda message: err.print(f"warning: {message}", markup=False, highlight=False)  # noqa: E731
-    block_sizes = ([validate.block_size(b, trained, "--block-size", warn) for b in block_sizes]
-                   if block_sizes else [trained])
+    block_sizes = [validate.block_size(b, trained, "--block-size", warn) for b in block_sizes or [validate.AUTO]]
     thinking = pair.enable_thinking if enable_thinking is None else enable_thinking
     target, tokenizer = load(pair.target)
     dft = load_draft(pair.draft)
@@ -118,6 +117,8 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
         dft.set_dtype(getattr(mx, dtype))
     if chat_template and has_template(tokenizer):
         err.print(thinking_note(thinking), markup=False, highlight=False)
+    if validate.AUTO in block_sizes:  # measured (or read) here, off the clock of every run
+        cost_curve(Target(target), dft)
     steps = len(chosen) * repeat * (1 + len(block_sizes)) + (1 + len(block_sizes) if warmup else 0)
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())

@@ -87,7 +87,7 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
         base = (tau, (block_sizes or [trained])[0], None, "given")
     elif measured:
         sides = measured["summary"]["dflash"]
-        usable = {int(b): s for b, s in sides.items() if s.get("tau")}
+        usable = {int(b): s for b, s in sides.items() if s.get("tau") and b.isdigit()}  # not auto
         if not usable:
             raise DFlashError(f"{results} has no measured tau")
         b0 = max(usable)

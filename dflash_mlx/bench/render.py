@@ -65,7 +65,7 @@ def render(report: dict, console) -> None:
 
     t = Table(title="acceptance: share of cycles whose draft position i was accepted, P(a >= i)")
     t.add_column("block")
-    width = max(int(b) for b in summ["dflash"])
+    width = max(len(side["accepted_histogram"]) for side in summ["dflash"].values())
     for i in range(1, width):
         t.add_column(str(i), justify="right")
     for b, side in summ["dflash"].items():
@@ -74,7 +74,10 @@ def render(report: dict, console) -> None:
     console.print(t)
     for b, side in summ["dflash"].items():
         hist = side["accepted_histogram"]
-        console.print(f"accepted drafts per cycle, b={b} (a = 0..{int(b) - 1}): {hist}")
+        console.print(f"accepted drafts per cycle, b={b} (a = 0..{len(hist) - 1}): {hist}")
+        if b == "auto":
+            blocks = " ".join(f"{k}x{n}" for k, n in side["block_histogram"].items())
+            console.print(f"blocks used per cycle, b=auto (block x cycles): {blocks}")
 
     for b, side in summ["dflash"].items():
         for d in side["divergences"][:10]:

@@ -75,8 +75,8 @@ REQUIRED = {
     "run": {"step": int, "prompt_id": str, "category": str, "repeat": int, "arm": str,
             "prompt_tokens": int, "tokens": list, "generated": int, "prefill_s": float,
             "decode_s": float, "wall_s": float, "peak_memory_gb": float},
-    "dflash_run": {"block_size": int, "cycles": int, "accepted": list},
-    "pair": {"prompt_id": str, "category": str, "repeat": int, "block_size": int,
+    "dflash_run": {"block_size": (int, str), "cycles": int, "accepted": list},
+    "pair": {"prompt_id": str, "category": str, "repeat": int, "block_size": (int, str),
              "baseline_step": int, "dflash_step": int},
     "side": {"runs": int, "wall_s": float, "decode_tokens": int},
     "dflash_side": {"cycles": int, "accepted_histogram": list, "position_acceptance": list,
@@ -120,7 +120,7 @@ def validate_report(report: dict) -> None:
         side = report["summary"].get("dflash", {}).get(str(b))
         need(side, "side", f"summary.dflash.{b}")
         need(side, "dflash_side", f"summary.dflash.{b}")
-        if len(side["accepted_histogram"]) != b:
+        if b != "auto" and len(side["accepted_histogram"]) != b:
             raise DFlashError(f"summary.dflash.{b}: histogram has {len(side['accepted_histogram'])} bins")
 
 

@@ -94,7 +94,7 @@ def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_s
     last = responses[-1] if responses else None
     rec = _record(len(ids), tokens, last.finish_reason if last else None, first, total, last)
     accepted = [r.accepted for r in responses[1:]]  # the first response is the prefill token
-    rec.update(cycles=len(accepted), accepted=accepted)
+    rec.update(cycles=len(accepted), accepted=accepted, blocks=[r.block_size for r in responses[1:]])
     return rec
 
 
@@ -121,7 +121,8 @@ def run_bench(
     validate.options({"max_tokens": max_tokens})
     validate.integer(repeat, "repeat", low=1)
     for b in block_sizes:
-        validate.integer(b, "block size", low=2)
+        if b != validate.AUTO:
+            validate.integer(b, "block size", low=2)
     encoded = [template_ids(tokenizer, p["prompt"], enable_thinking=enable_thinking) if chat_template
                else encode(tokenizer, p["prompt"]) for p in prompts]
 

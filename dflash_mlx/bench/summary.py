@@ -35,8 +35,9 @@ def stats(values: Iterable[Optional[float]]) -> Optional[dict]:
             "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3}
 
 
-def acceptance(runs: list[dict], block_size: int) -> dict:
-    """tau, per-position acceptance and tokens per cycle over DFlash runs of one block size.
+def acceptance(runs: list[dict], block_size) -> dict:
+    """tau, per-position acceptance and tokens per cycle over DFlash runs of one
+    block size (``"auto"``: the blocks each cycle used, ``blocks`` per run).
 
     tau is the mean of accepted + 1 over cycles; ``accepted_histogram[a]`` counts
     cycles with a drafts accepted (0..b-1); ``position_acceptance[i-1]`` is the
@@ -46,15 +47,19 @@ def acceptance(runs: list[dict], block_size: int) -> dict:
     """
     accepted = [a for r in runs for a in r["accepted"]]
     cycles = len(accepted)
-    hist = [0] * block_size
+    blocks = [b for r in runs for b in (r.get("blocks") or [r["block_size"]] * r["cycles"])]
+    width = max(blocks, default=2) if block_size == "auto" else block_size
+    drafted = sum(b - 1 for b in blocks)
+    hist = [0] * width
     for a in accepted:
         hist[a] += 1
     decode_tokens = sum(max(r["generated"] - 1, 0) for r in runs)
-    at_least = [sum(hist[i:]) for i in range(1, block_size)]
+    at_least = [sum(hist[i:]) for i in range(1, width)]
     return {
         "cycles": cycles,
         "tau": (sum(accepted) + cycles) / cycles if cycles else None,
-        "acceptance_rate": sum(accepted) / (cycles * (block_size - 1)) if cycles else None,
+        "acceptance_rate": sum(accepted) / drafted if drafted else None,
+        "block_histogram": {str(b): blocks.count(b) for b in sorted(set(blocks))},
         "tokens_per_cycle": decode_tokens / cycles if cycles else None,
         "accepted_histogram": hist,
         "position_acceptance": [n / cycles for n in at_least] if cycles else [],
