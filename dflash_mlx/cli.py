@@ -324,6 +324,7 @@ def bench(
     context: int = typer.Option(1024, "--context", help="--predict: tokens of context (KV cache read per pass)."),
     neural_accelerators: bool = typer.Option(False, "--neural-accelerators", help="--predict: M5 chips at Apple's claimed GPU Neural Accelerator matmul rate."),
     overhead_ms: float = typer.Option(0.0, "--overhead-ms", help="--predict: fixed cost added to every forward pass."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="No model: a random ~200M-parameter target built in memory, decoded with oracle drafts right for all, half or none of each block; prints the loop's efficiency (measured over ideal speedup)."),
     calibrate: bool = typer.Option(False, "--calibrate", help="No run: measure the pair's cost per cycle at each block size on this machine (what --block-size auto uses), cache and print it."),
 ):
     """Baseline (mlx-lm) and DFlash side by side: speedup, tau, acceptance, memory, identity."""

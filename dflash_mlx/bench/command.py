@@ -18,6 +18,7 @@ from .prompts import select_prompts
 from .render import console, plot, render
 from .report import check_output_file, machine_info, make_report, validate_report, write_json
 from .runs import run_bench
+from .synthetic import main_synthetic
 
 DTYPES = ("float32", "float16", "bfloat16")
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p",
@@ -47,15 +48,21 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
          no_chat_template: bool, thinking: Optional[bool], warmup: bool, json_out: Optional[str],
          plot_out: Optional[str], predict: bool, tau: Optional[float], results: Optional[str],
          preset: Optional[str], chip: Optional[list[str]], context: int,
-         neural_accelerators: bool, overhead_ms: float, calibrate: bool) -> None:
+         neural_accelerators: bool, overhead_ms: float, calibrate: bool, synthetic: bool) -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed."""
     sizes = parse_block_sizes(block_size)
     if dtype not in ("auto", "keep", *DTYPES):
         raise DFlashError(f"--dtype must be auto, keep, {', '.join(DTYPES)}; got '{dtype}'")
+    if sum((calibrate, predict, synthetic)) > 1:
+        raise DFlashError("--calibrate, --predict and --synthetic are separate modes: give one")
     if calibrate:
-        if predict:
-            raise DFlashError("--calibrate measures this machine; --predict runs nothing: give one")
         main_calibrate(model=model, draft=draft, dtype=dtype)
+        return
+    if synthetic:
+        if sizes and validate.AUTO in sizes:
+            raise DFlashError("--synthetic measures fixed block sizes; leave 'auto' out of --block-size")
+        validate.options({"max_tokens": max_tokens}, FLAGS)
+        main_synthetic(sizes or [16], max_tokens)
         return
     if json_out:
         check_output_file(json_out, "--json")

@@ -1,0 +1,163 @@
+"""``dflash-mlx bench --synthetic``: how much of the ideal speedup the loop keeps.
+
+A random llama target of about 200M parameters is built in memory (nothing is
+downloaded or written) and decoded by the real ``SpeculativeDecoder`` with an
+oracle proposer that knows the target's greedy continuation and is right for
+all, half or none of each block. The ideal speedup of a cycle is
+
+    tau * t_AR / (t_verify(b) + t_draft(b))
+
+with t_AR mlx-lm's time per token, t_verify(b) one target pass over b tokens
+and t_draft(b) the oracle's proposal; the loop's efficiency is the measured
+speedup (DFlash tok/s over mlx-lm's) divided by it: what per-cycle overhead
+(acceptance, rollback, bookkeeping, the host sync) leaves of the passes' work.
+"""
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..decoder import SpeculativeDecoder
+from ..target import Target
+from .render import console
+
+MODES = {"full": 1.0, "half": 0.5, "none": 0.0}  # share of each block's drafts that are right
+CONFIG = dict(model_type="llama", hidden_size=1024, num_hidden_layers=12, intermediate_size=2816,
+              num_attention_heads=16, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=32000,
+              max_position_embeddings=4096, tie_word_embeddings=True)
+PROMPT = 32  # prompt tokens
+REPEATS = 5  # timed passes per t_verify / t_draft
+
+
+@dataclass
+class Row:
+    mode: str
+    block_size: int
+    tau: float
+    ar_tps: float
+    dflash_tps: float
+    t_verify_ms: float
+    t_draft_ms: float
+
+    @property
+    def measured(self) -> float:
+        return self.dflash_tps / self.ar_tps
+
+    @property
+    def predicted(self) -> float:
+        return self.tau * (1e3 / self.ar_tps) / (self.t_verify_ms + self.t_draft_ms)
+
+    @property
+    def efficiency(self) -> float:
+        return self.measured / self.predicted
+
+
+def synthetic_target(seed: int = 0, **overrides):
+    """A random mlx-lm llama (about 200M parameters at the defaults), float32."""
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs(**{**CONFIG, **overrides}))
+    mx.eval(model.parameters())
+    return model
+
+
+class Oracle:
+    """Proposes the known continuation, wrong from draft position ``right + 1`` on."""
+
+    def __init__(self, prompt_len: int, continuation: list[int], share: float, vocab_size: int):
+        self.position, self.prompt_len = 0, prompt_len
+        self.continuation, self.share, self.vocab_size = continuation, share, vocab_size
+
+    def observe(self, features, tokens) -> None:
+        self.position += tokens.size
+
+    def propose(self, y, block_size: int) -> mx.array:
+        start = self.position - self.prompt_len + 1
+        tokens = list(self.continuation[start : start + block_size - 1])
+        tokens += [0] * (block_size - 1 - len(tokens))
+        right = round(self.share * (block_size - 1))
+        tokens = tokens[:right] + [(t + 1) % self.vocab_size for t in tokens[right:]]
+        return (mx.arange(self.vocab_size)[None] == mx.array(tokens)[:, None]).astype(mx.float32)
+
+
+def _autoregressive(model, prompt: mx.array, n: int) -> tuple[list[int], float]:
+    """mlx-lm's greedy tokens and its decode speed (tokens after the first over the time after it)."""
+    from mlx_lm.generate import generate_step
+
+    tokens, tic = [], None
+    for token, _ in generate_step(prompt, model, max_tokens=n):
+        tokens.append(token)
+        if tic is None:
+            tic = time.perf_counter()
+    return tokens, (len(tokens) - 1) / (time.perf_counter() - tic)
+
+
+def _median(run) -> float:
+    run()
+    times = []
+    for _ in range(REPEATS):
+        tic = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times)
+
+
+def _pass_times(target: Target, oracle: Oracle, prompt: mx.array, b: int) -> tuple[float, float]:
+    """(t_verify(b), t_draft(b)) in seconds after the prompt."""
+    cache = target.make_cache()
+    target.forward(prompt[None], cache, [0])
+    block = mx.arange(b, dtype=mx.int32)
+
+    def verify():
+        out = target.forward(block[None], cache, [0], record=True)
+        mx.eval(mx.argmax(target.logits(out.hidden), axis=-1))
+        target.rollback(cache, out, 1)
+
+    return _median(verify), _median(lambda: mx.eval(oracle.propose(prompt[-1:], b)))
+
+
+def run_synthetic(block_sizes: list[int], max_tokens: int, model=None) -> list[Row]:
+    """One row per mode and block size."""
+    model = model or synthetic_target()
+    target = Target(model)
+    prompt = mx.arange(PROMPT, dtype=mx.int32) * 7 % target.vocab_size
+    continuation, ar_tps = _autoregressive(model, prompt, max_tokens + max(block_sizes) + 1)
+    rows = []
+    for b in block_sizes:
+        for mode, share in MODES.items():
+            oracle = Oracle(PROMPT, continuation, share, target.vocab_size)
+            t_verify, t_draft = _pass_times(target, oracle, prompt, b)
+            decoder = SpeculativeDecoder(target, oracle, [0], b)
+            out = [decoder.prefill(prompt)]
+            cycles, tic = 0, time.perf_counter()
+            while len(out) < max_tokens:
+                out += decoder.cycle().tokens
+                cycles += 1
+            dflash_tps = (len(out) - 1) / (time.perf_counter() - tic)
+            rows.append(Row(mode, b, (len(out) - 1) / cycles, ar_tps, dflash_tps, t_verify * 1e3, t_draft * 1e3))
+    return rows
+
+
+def main_synthetic(block_sizes: list[int], max_tokens: int, out=None) -> list[dict]:
+    from rich.table import Table
+
+    out = out or console()
+    model = synthetic_target()
+    rows = run_synthetic(block_sizes, max_tokens, model)
+    params = sum(p.size for _, p in tree_flatten(model.parameters())) / 1e6
+    t = Table(title=f"synthetic llama target ({params:.0f}M parameters, float32), {max_tokens} tokens, "
+                    f"oracle drafts: loop efficiency = measured / ideal speedup")
+    for col in ("oracle", "block", "tau", "mlx-lm tok/s", "DFlash tok/s", "verify ms", "draft ms",
+                "ideal speedup", "measured", "efficiency"):
+        t.add_column(col, justify="left" if col == "oracle" else "right")
+    for r in rows:
+        t.add_row(r.mode, str(r.block_size), f"{r.tau:.2f}", f"{r.ar_tps:.1f}", f"{r.dflash_tps:.1f}",
+                  f"{r.t_verify_ms:.2f}", f"{r.t_draft_ms:.2f}", f"{r.predicted:.2f}x",
+                  f"{r.measured:.2f}x", f"{r.efficiency:.2f}")
+    out.print(t)
+    return [{**asdict(r), "predicted": r.predicted, "measured": r.measured, "efficiency": r.efficiency}
+            for r in rows]
