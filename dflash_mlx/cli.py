@@ -98,7 +98,7 @@ def generate(
     ),
     tree_budget: int = typer.Option(
         0, "--tree-budget", help="Verify a DDTree of up to this many drafted tokens per cycle instead of one "
-                                 "chain (greedy only; 0 = the chain).",
+                                 "chain (lossless at any temperature; 0 = the chain).",
     ),
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""

@@ -142,7 +142,7 @@ def stream_generate(
     ``context`` continues from caches that already hold a proper prefix of the
     prompt (only the rest is prefilled) and is left holding every fed token.
     ``tree_budget`` B >= 1 verifies a DDTree of up to B drafted nodes per cycle
-    instead of one chain (``tree_decoder.py``; greedy only); 0 or None is the chain.
+    instead of one chain (``tree_decoder.py``), at any temperature; 0 or None is the chain.
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})
     target = model if isinstance(model, Target) else Target(model)

@@ -10,7 +10,16 @@ the target's choice after it are committed, the attention caches compacted to
 the path, GatedDeltaNet layers set to the path's end (``tree_gated_delta.py``),
 and the path's features handed to the proposer in order.
 
-Greedy only (with logits processors, each node seeing its own path as history).
+Every node's choice is the target's own: its argmax, or at temperature > 0 a
+draw from its warped distribution (logits processors see the node's own path
+as history). Walking while the draw is a child is recursive rejection
+sampling (SpecInfer) with the tree's candidates as the proposal: they are
+fixed, not drawn from the draft, so each child is a point mass q = 1 on its
+token, accepted with probability p_res(c) and, on rejection, removed from the
+residual; trying a node's children in turn and drawing the bonus from what is
+left is exactly one draw from p. (Using the draft's q in min(1, p/q) would be
+lossy here, since the children were not sampled from q.) The output is
+therefore distributed as the target's own sampling.
 """
 
 from typing import Optional
@@ -94,8 +103,6 @@ class TreeDecoder(SpeculativeDecoder):
     ):
         check_tree_target(target)
         super().__init__(target, proposer, layer_ids, block_size, prefill_step_size, sampler, cache, tokens)
-        if not self.sampler.greedy:
-            raise DFlashError("tree verification is greedy only for now; use temperature 0 or the chain")
         self.budget = budget
         self.candidates: Optional[tuple[mx.array, mx.array]] = None
 
@@ -115,6 +122,12 @@ class TreeDecoder(SpeculativeDecoder):
         ]
         return mx.concatenate(rows, axis=0)
 
+    def _choose(self, logits: mx.array, tree: Tree) -> list[int]:
+        """The target's token at every node, from processed logits [N, V]: its
+        argmax, or one independent draw per node from its warped distribution
+        (the sampler's draw of a token from target logits, row by row)."""
+        return self.sampler.first_token(logits).tolist()
+
     def cycle(self) -> Cycle:
         """One draft-tree + verify + walk + commit cycle; returns the committed tokens."""
         values, tokens = self.candidates
@@ -122,7 +135,7 @@ class TreeDecoder(SpeculativeDecoder):
         offset = context_length(self.target, self.cache)
         out = tree_forward(self.target, tree, self.cache, self.layer_ids)
         logits = self._process(self.target.logits(out.hidden)[0], tree)
-        choices = mx.argmax(logits, axis=-1).tolist()  # the cycle's sync
+        choices = self._choose(logits, tree)  # the cycle's sync
         path, bonus = walk(tree, choices)
         commit(self.target, self.cache, out, offset, path)
         committed = [tree.tokens[i] for i in path]

@@ -14,7 +14,6 @@ from mlx_lm.models.rope_utils import initialize_rope
 from dflash_mlx import Target, load_draft
 from dflash_mlx.decoder import DraftProposer
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.sampling import BlockSampler, SamplingParams
 from dflash_mlx.tree_attention import PositionedRope, compact, tree_mask
 from dflash_mlx.tree_decoder import TreeDecoder
 
@@ -181,8 +180,3 @@ def test_tree_decoder_refuses_what_it_cannot_verify(loaded):
     target = Target(model)
     with pytest.raises(DFlashError, match="RoPE .DynamicNTKScalingRoPE"):
         TreeDecoder(target, DraftProposer(loaded["llama"][2], target), [0], BLOCK, 8)
-    model, _, draft = loaded["llama"]
-    target = Target(model)
-    with pytest.raises(DFlashError, match="greedy only"):
-        TreeDecoder(target, DraftProposer(draft, target), [0], BLOCK, 8,
-                    sampler=BlockSampler(SamplingParams(temperature=0.5)))
