@@ -10,10 +10,13 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx import Target, load_draft
 from dflash_mlx.decoder import DraftProposer
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.sampling import BlockSampler, SamplingParams
 from dflash_mlx.tree_attention import PositionedRope, compact, tree_mask
 from dflash_mlx.tree_decoder import TreeDecoder
 
@@ -180,3 +183,25 @@ def test_tree_decoder_refuses_what_it_cannot_verify(loaded):
     target = Target(model)
     with pytest.raises(DFlashError, match="RoPE .DynamicNTKScalingRoPE"):
         TreeDecoder(target, DraftProposer(loaded["llama"][2], target), [0], BLOCK, 8)
+
+
+def test_logits_processors_see_each_nodes_own_path(loaded):
+    """With a repetition penalty every node's logits are processed with the
+    committed tokens and its own path as history, as mlx-lm's decoding does."""
+    model, tokenizer, _ = loaded["llama"]
+    target = Target(model)
+    prompt = tokenizer.encode("the quick brown fox")
+    processors = make_logits_processors(repetition_penalty=3.0, repetition_context_size=6)
+    continuation = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=3 * BLOCK + 2,
+                                                 logits_processors=processors)]
+    assert continuation != chain.greedy_reference(model, prompt, 3 * BLOCK + 2)  # the penalty bites
+    sampler = lambda: BlockSampler(SamplingParams(repetition_penalty=3.0, repetition_context_size=6))
+    for stop in [3, BLOCK - 1]:
+        oracle = TreeOracle(len(prompt), continuation, stop, {0, stop - 1}, target.vocab_size)
+        decoder = TreeDecoder(target, oracle, [0], BLOCK, 32, prefill_step_size=3, sampler=sampler())
+        out = [decoder.prefill(mx.array(prompt))]
+        for _ in range(2):
+            cycle = decoder.cycle()
+            assert cycle.accepted == stop
+            out += cycle.tokens
+            assert out == continuation[: len(out)]
