@@ -45,12 +45,13 @@ def ancestors(parents: mx.array, depth: int) -> mx.array:
     return seen
 
 
-def tree_mask(parents: mx.array, depths: mx.array, offset: int, window=None) -> mx.array:
-    """Boolean mask [N, offset+N] of the flattened tree after ``offset`` context
-    positions; ``window`` (sliding layers) counts positions, as a chain's mask does."""
-    positions = offset + depths
-    context = mx.ones((parents.size, offset), dtype=mx.bool_)
-    tree = ancestors(parents, int(depths.max().item()))
+def tree_mask(parents: list[int], depths: list[int], offset: int, window=None) -> mx.array:
+    """Boolean mask [N, offset+N] of the flattened tree (host lists ``parents``,
+    -1 at the root, and ``depths``) after ``offset`` context positions;
+    ``window`` (sliding layers) counts positions, as a chain's mask does."""
+    positions = offset + mx.array(depths)
+    context = mx.ones((len(parents), offset), dtype=mx.bool_)
+    tree = ancestors(mx.array(parents), max(depths))
     if window:
         context = context & (mx.arange(offset)[None] > positions[:, None] - window)
         tree = tree & (positions[None] > positions[:, None] - window)

@@ -57,15 +57,14 @@ def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) 
     context; GatedDeltaNet layers leave their cache as it was and return what
     ``commit`` needs."""
     offset = context_length(target, cache)
-    parents, depths = mx.array(tree.parents), mx.array(tree.depths)
-    masks = {kind.name: tree_mask(parents, depths, offset, kind.window)
+    masks = {kind.name: tree_mask(tree.parents, tree.depths, offset, kind.window)
              for kind in target.kinds if isinstance(kind, Attention)}
     attention = [layer for layer, kind in zip(target.layers, target.kinds) if isinstance(kind, Attention)]
     recurrent = [layer for layer, kind in zip(target.layers, target.kinds) if isinstance(kind, GatedDelta)]
     plan = tree_gated_delta.plan(tree, recurrent[0].linear_attn.conv_kernel_size) if recurrent else None
     wanted, records = {}, [None] * target.num_layers
     h = target.embed(mx.array(tree.tokens)[None])
-    with positioned_rope(attention, offset + depths):
+    with positioned_rope(attention, offset + mx.array(tree.depths)):
         for i, (layer, kind, c) in enumerate(zip(target.layers, target.kinds, cache)):
             if isinstance(kind, Attention):
                 h, _ = kind(layer, h, masks[kind.name], c, False)
