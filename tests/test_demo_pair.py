@@ -35,7 +35,7 @@ def runs():
         want = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=N_TOKENS)]
         eos = set(tokenizer.eos_token_ids)
         cut = next((i for i, t in enumerate(want) if t in eos), len(want))
-        res = generate(model, draft, tokenizer, ids, max_tokens=N_TOKENS)  # the trained block size
+        res = generate(model, draft, tokenizer, ids, max_tokens=N_TOKENS, block_size=None)  # the trained size
         out.append((ids, want[:cut], res))
     return model, out
 

@@ -4,8 +4,8 @@ import sys
 from typing import Optional, Union
 
 from ..errors import DFlashError
-from ..validate import block_option
 from ..registry import Pair, resolve_pair
+from ..validate import block_option
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
