@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import save_config, save_model
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from dflash_mlx.target import SUPPORTED_MODEL_TYPES as FAMILIES  # one checkpoint per supported family
 
@@ -173,22 +173,54 @@ def _bpe_vocab(vocab_size: int) -> tuple[list[str], list[tuple[str, str]]]:
     raise ValueError(f"vocab_size {vocab_size} is too large")
 
 
-def write_tokenizer(path: Path, vocab_size: int) -> None:
-    """Write a byte-level BPE tokenizer with exactly ``vocab_size`` ids.
+# Text with multi-byte UTF-8 (2-byte accents, 3-byte CJK, 4-byte emoji) for the trained tokenizer.
+UTF8_CORPUS = [
+    " ".join(WORDS[i : i + 12]) + " " + extra
+    for i in range(0, len(WORDS), 12)
+    for extra in ["café naïve résumé déjà vu", "中文 日本語 한국어 漢字", "emoji 🙂 🚀 🎉 👍🏽", "Ünïcödé ßtraße €100"]
+]
 
-    The pipeline is the one transformers' Qwen3_5Tokenizer rebuilds from
-    tokenizer.json (it ignores the file's own pipeline for qwen3_5 configs), so
-    every family tokenizes alike. BOS is prepended; ``<mask>`` is the last id;
-    every id decodes to non-empty ASCII text.
-    """
-    vocab, merges = _bpe_vocab(vocab_size)
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, merges))
+
+def _trained_bpe(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained over ``UTF8_CORPUS``: specials, all 256 byte
+    symbols, then merges, ``vocab_size - 1`` ids (``<mask>`` comes last)."""
+    tok = Tokenizer(models.BPE())
+    _set_pipeline(tok)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 1, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(UTF8_CORPUS, trainer)
+    if tok.get_vocab_size() != vocab_size - 1:
+        raise ValueError(f"vocab_size {vocab_size} is too large for the UTF-8 corpus")
+    return tok
+
+
+def _set_pipeline(tok: Tokenizer) -> None:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+
+
+def write_tokenizer(path: Path, vocab_size: int, utf8: bool = False) -> None:
+    """Write a byte-level BPE tokenizer with exactly ``vocab_size`` ids.
+
+    The pipeline is the one transformers' Qwen3_5Tokenizer rebuilds from
+    tokenizer.json (it ignores the file's own pipeline for qwen3_5 configs), so
+    every family tokenizes alike. BOS is prepended; ``<mask>`` is the last id.
+    By default every id decodes to non-empty ASCII text; with ``utf8`` the
+    vocabulary is trained over ``UTF8_CORPUS`` and holds every byte, so ids
+    can end inside a multi-byte character.
+    """
+    if utf8:
+        tok = _trained_bpe(vocab_size)
+    else:
+        vocab, merges = _bpe_vocab(vocab_size)
+        tok = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, merges))
+        _set_pipeline(tok)
     tok.add_special_tokens(SPECIAL_TOKENS + [MASK_TOKEN])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)]
@@ -261,8 +293,9 @@ def build_target(family: str, seed: int = 0, **overrides):
     return model, config
 
 
-def write_target(path: Path, family: str, seed: int = 0, **overrides) -> dict:
-    """Save ``build_target(family, seed, **overrides)`` with mlx-lm's writers plus a tokenizer.
+def write_target(path: Path, family: str, seed: int = 0, utf8: bool = False, **overrides) -> dict:
+    """Save ``build_target(family, seed, **overrides)`` with mlx-lm's writers plus a tokenizer
+    (``write_tokenizer``'s UTF-8 one with ``utf8``).
 
     ``mlx_lm.load(str(path))`` gives the same model back. Returns the config.
     """
@@ -270,7 +303,7 @@ def write_target(path: Path, family: str, seed: int = 0, **overrides) -> dict:
     path = Path(path)
     save_model(path, model)
     save_config(dict(config), path / "config.json")
-    write_tokenizer(path, text_config(config)["vocab_size"])
+    write_tokenizer(path, text_config(config)["vocab_size"], utf8)
     return config
 
 
