@@ -8,7 +8,7 @@ import test_loop as chain
 from checkpoints import build_target
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
@@ -205,3 +205,29 @@ def test_logits_processors_see_each_nodes_own_path(loaded):
             assert cycle.accepted == stop
             out += cycle.tokens
             assert out == continuation[: len(out)]
+
+
+def test_a_quantized_kv_cache_is_compacted_to_the_path(tmp_path):
+    """mlx-lm's QuantizedKVCache (keys and values as packed tuples): walks to
+    several depths give mlx-lm's greedy output with the same caches, and the
+    caches hold exactly the committed positions."""
+    from checkpoints import write_target
+
+    write_target(tmp_path / "target", "llama", num_hidden_layers=2, head_dim=32)
+    model, tokenizer = mlx_lm_load(str(tmp_path / "target"))
+    model.make_cache = lambda: [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+    target = Target(model)
+    prompt = tokenizer.encode("the quick brown fox")
+    continuation = chain.greedy_reference(model, prompt, 3 * BLOCK + 2)
+    for stop in [0, 2, 5, BLOCK - 1]:
+        oracle = TreeOracle(len(prompt), continuation, stop, {0, stop - 1} if stop > 1 else set(),
+                            target.vocab_size)
+        decoder = TreeDecoder(target, oracle, [0], BLOCK, 32, prefill_step_size=3)
+        assert all(type(c) is QuantizedKVCache for c in decoder.cache)
+        out = [decoder.prefill(mx.array(prompt))]
+        for _ in range(2):
+            cycle = decoder.cycle()
+            assert cycle.accepted == stop
+            out += cycle.tokens
+            assert out == continuation[: len(out)]
+            assert all(c.offset == len(prompt) + len(out) - 1 for c in decoder.cache)
