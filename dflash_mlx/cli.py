@@ -165,10 +165,13 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], **option
     sys.stdout.write("\n")
     tau = (accepted + cycles) / cycles if cycles else float("nan")
     rate = f"{accepted / drafted:.1%}" if drafted else "-"
+    shape = block_summary(options["block_size"], blocks)
+    if options.get("tree_budget"):  # a tree of B nodes, b-1 deep
+        shape = f"tree of {options['tree_budget']}, {block_summary(last.block_size, blocks)}"
     _note(
         f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
         f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
-        f"tau {tau:.2f} tokens/cycle over {cycles} cycles ({block_summary(options['block_size'], blocks)}), "
+        f"tau {tau:.2f} tokens/cycle over {cycles} cycles ({shape}), "
         f"draft acceptance {rate} | peak memory {last.peak_memory:.2f} GB"
     )
 

@@ -83,7 +83,7 @@ def test_the_command_line_generates_with_a_tree(pair, target_dirs, draft_dir, tm
                             "-p", prompt, "-n", 12, "--no-chat-template", "--tree-budget", 6, cwd=tmp_path)
     assert code == 0, err
     assert out.strip() == tokenizer.decode(want).strip()
-    assert "tokens/cycle" in err
+    assert "tokens/cycle" in err and "(tree of 6, block 8)" in err
 
 
 @pytest.mark.parametrize("budget,message", [
