@@ -13,7 +13,6 @@ speedup (DFlash tok/s over mlx-lm's) divided by it: what per-cycle overhead
 (acceptance, rollback, bookkeeping, the host sync) leaves of the passes' work.
 """
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -30,6 +29,9 @@ CONFIG = dict(model_type="llama", hidden_size=1024, num_hidden_layers=12, interm
               max_position_embeddings=4096, tie_word_embeddings=True)
 PROMPT = 32  # prompt tokens
 REPEATS = 5  # timed passes per t_verify / t_draft
+RUNS = 2  # timed runs per mlx-lm and DFlash figure
+# Every figure is the best of its repeats (the fastest pass, the fastest run): background
+# load only ever slows a run down, so the best is the closest to what the work itself costs.
 
 
 @dataclass
@@ -96,14 +98,14 @@ def _autoregressive(model, prompt: mx.array, n: int) -> tuple[list[int], float]:
     return tokens, (len(tokens) - 1) / (time.perf_counter() - tic)
 
 
-def _median(run) -> float:
+def _fastest(run) -> float:
     run()
     times = []
     for _ in range(REPEATS):
         tic = time.perf_counter()
         run()
         times.append(time.perf_counter() - tic)
-    return statistics.median(times)
+    return min(times)
 
 
 def _pass_times(target: Target, oracle: Oracle, prompt: mx.array, b: int) -> tuple[float, float]:
@@ -117,7 +119,18 @@ def _pass_times(target: Target, oracle: Oracle, prompt: mx.array, b: int) -> tup
         mx.eval(mx.argmax(target.logits(out.hidden), axis=-1))
         target.rollback(cache, out, 1)
 
-    return _median(verify), _median(lambda: mx.eval(oracle.propose(prompt[-1:], b)))
+    return _fastest(verify), _fastest(lambda: mx.eval(oracle.propose(prompt[-1:], b)))
+
+
+def _dflash(target: Target, oracle_args: tuple, prompt: mx.array, b: int, max_tokens: int) -> tuple[float, float]:
+    """(tau, decode tok/s) of the real loop with a fresh oracle."""
+    decoder = SpeculativeDecoder(target, Oracle(*oracle_args), [0], b)
+    out = [decoder.prefill(prompt)]
+    cycles, tic = 0, time.perf_counter()
+    while len(out) < max_tokens:
+        out += decoder.cycle().tokens
+        cycles += 1
+    return (len(out) - 1) / cycles, (len(out) - 1) / (time.perf_counter() - tic)
 
 
 def run_synthetic(block_sizes: list[int], max_tokens: int, model=None) -> list[Row]:
@@ -125,20 +138,16 @@ def run_synthetic(block_sizes: list[int], max_tokens: int, model=None) -> list[R
     model = model or synthetic_target()
     target = Target(model)
     prompt = mx.arange(PROMPT, dtype=mx.int32) * 7 % target.vocab_size
-    continuation, ar_tps = _autoregressive(model, prompt, max_tokens + max(block_sizes) + 1)
+    runs = [_autoregressive(model, prompt, max_tokens + max(block_sizes) + 1) for _ in range(RUNS)]
+    continuation, ar_tps = runs[0][0], max(tps for _, tps in runs)
     rows = []
     for b in block_sizes:
         for mode, share in MODES.items():
-            oracle = Oracle(PROMPT, continuation, share, target.vocab_size)
-            t_verify, t_draft = _pass_times(target, oracle, prompt, b)
-            decoder = SpeculativeDecoder(target, oracle, [0], b)
-            out = [decoder.prefill(prompt)]
-            cycles, tic = 0, time.perf_counter()
-            while len(out) < max_tokens:
-                out += decoder.cycle().tokens
-                cycles += 1
-            dflash_tps = (len(out) - 1) / (time.perf_counter() - tic)
-            rows.append(Row(mode, b, (len(out) - 1) / cycles, ar_tps, dflash_tps, t_verify * 1e3, t_draft * 1e3))
+            oracle_args = (PROMPT, continuation, share, target.vocab_size)
+            t_verify, t_draft = _pass_times(target, Oracle(*oracle_args), prompt, b)
+            tau, dflash_tps = max((_dflash(target, oracle_args, prompt, b, max_tokens) for _ in range(RUNS)),
+                                  key=lambda run: run[1])
+            rows.append(Row(mode, b, tau, ar_tps, dflash_tps, t_verify * 1e3, t_draft * 1e3))
     return rows
 
 
