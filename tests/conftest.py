@@ -2,8 +2,12 @@
 
 import json
 import os
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# cost curves measured by tests (block_size="auto") stay out of the user's cache,
+# subprocesses included
+os.environ["DFLASH_MLX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-mlx-test-cache-")
 
 import pytest
 from checkpoints import FAMILIES, write_draft, write_target
