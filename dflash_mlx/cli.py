@@ -1,5 +1,6 @@
 """The ``dflash-mlx`` command line (typer)."""
 
+import atexit
 import importlib
 import sys
 import warnings
@@ -38,6 +39,25 @@ GENERATE_FLAGS = {
 }
 THINKING_HELP = ("Pass enable_thinking=True/False to the chat template. Default: the registry's "
                  "choice for the pair (what its draft was trained on), else the template's own.")
+
+
+def _finish_mlx_work() -> None:
+    """Wait for the MLX work still queued when the process ends (a finished
+    generation leaves the next block's draft running). Exiting with a BLAS
+    call in flight on MLX's worker thread never ends under a multithreaded
+    OpenBLAS: its exit-time shutdown joins a worker thread that call leaves
+    asleep. (mlx-lm synchronizes its generation stream on Metal only.)"""
+    mx = sys.modules.get("mlx.core")
+    if mx is None:  # this command never ran MLX
+        return
+    streams = [None]  # the default stream
+    if "mlx_lm.generate" in sys.modules:
+        streams.append(sys.modules["mlx_lm.generate"].generation_stream)
+    for stream in streams:
+        mx.synchronize(stream)
+
+
+atexit.register(_finish_mlx_work)
 
 
 def _fail(message: str) -> None:

@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 OPENBLAS_PACKAGE = "libopenblas0-pthread"
 OPENBLAS_LIB = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+OPENBLAS_EXIT_NOTE = ("dflash-mlx waits for MLX's queued work before it exits; a script of your own must "
+                      "too (mx.synchronize on each stream it used), or OpenBLAS can hang at exit")
 
 
 def _mapped_libraries() -> list[str]:
@@ -45,11 +47,11 @@ def blas_report(libraries: Optional[list[str]] = None) -> tuple[str, Optional[st
     bundled = [p for p in libraries if "libblas" in Path(p).name and "mlx" in p]
     which = f"reference BLAS bundled with mlx[cpu] ({bundled[0]})" if bundled else "reference BLAS (no OpenBLAS loaded)"
     if Path(OPENBLAS_LIB).exists():
-        advice = (f"OpenBLAS is installed but not loaded; run with "
-                  f"LD_PRELOAD={OPENBLAS_LIB} for much faster float32 matmuls")
+        advice = (f"OpenBLAS is installed but not loaded; export LD_PRELOAD={OPENBLAS_LIB} "
+                  f"for much faster float32 matmuls")
     else:
         advice = (f"for much faster float32 matmuls install OpenBLAS (Debian/Ubuntu: "
-                  f"sudo apt-get install {OPENBLAS_PACKAGE}) and run with LD_PRELOAD={OPENBLAS_LIB}")
+                  f"sudo apt-get install {OPENBLAS_PACKAGE}) and export LD_PRELOAD={OPENBLAS_LIB}")
     return which, advice
 
 
@@ -95,6 +97,8 @@ def collect(check: bool = True) -> list[tuple[str, str]]:
         rows.append(("blas", which))
         if advice:
             rows.append(("blas advice", advice))
+        elif which.startswith("OpenBLAS"):
+            rows.append(("blas exit", OPENBLAS_EXIT_NOTE))
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     rows.append(("emulation harness", f"C++ compiler {compiler}" if compiler else
                  "no C++ compiler (python -m dflash_mlx.kernels needs g++)"))

@@ -1,0 +1,56 @@
+"""``dflash-mlx generate`` exits under OpenBLAS with MLX work still in flight.
+
+A finished generation leaves the draft of the next block queued on MLX's
+worker thread. A process that exits while that draft's BLAS calls run never
+ends under a multithreaded OpenBLAS: OpenBLAS's exit-time shutdown joins a
+worker thread the running call leaves asleep. The draft's cost grows with the
+context (about 0.1 s at 20k tokens on the demo pair here), so a long prompt
+races the exit and hangs now and then. This test makes the race certain: the
+CLI runs as ``python -m dflash_mlx`` does, but the generation ends with a
+chain of matmuls queued on mlx-lm's generation stream, seconds of BLAS work
+where the draft's is a fraction of a second.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_mlx.doctor import OPENBLAS_LIB
+
+pytestmark = pytest.mark.skipif(not Path(OPENBLAS_LIB).exists(), reason=f"OpenBLAS is not installed ({OPENBLAS_LIB})")
+
+LAUNCH = """
+import importlib, runpy, sys
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+module = importlib.import_module("dflash_mlx.generate")
+stream_generate = module.stream_generate
+
+def ending_with_work_in_flight(*args, **kwargs):
+    yield from stream_generate(*args, **kwargs)
+    with mx.stream(generation_stream):
+        a = mx.random.normal((1024, 1024))
+        b = a
+        for _ in range(100):
+            b = b @ a
+        mx.async_eval(b)
+
+module.stream_generate = ending_with_work_in_flight
+sys.argv = ["dflash-mlx", "generate", "--prompt", "def fibonacci(n):", "--max-tokens", "8"]
+runpy.run_module("dflash_mlx", run_name="__main__")
+"""
+
+
+def test_generate_exits_with_mlx_work_in_flight():
+    # two OpenBLAS threads even on a one-CPU runner: the hang needs a worker thread
+    env = {**os.environ, "LD_PRELOAD": OPENBLAS_LIB, "OPENBLAS_NUM_THREADS": "2"}
+    try:
+        run = subprocess.run([sys.executable, "-c", LAUNCH], env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"still running after 120 s; its stderr:\n{e.stderr}")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() and "generation: 8 tokens" in run.stderr
