@@ -199,8 +199,24 @@ def _qwen3_5(quantized: bool = False, **overrides):
     return model
 
 
+def _close_to_fresh_prefill(model, cache, committed):
+    """The cache after rollback through the emulated kernels against mlx-lm
+    feeding the committed tokens in one pass: another batching and another
+    summation order (mlx-lm's ops, not the kernels), so float32 sums may differ
+    in their last bits, carried through the layers. A wrong rollback (a step
+    too many or too few) moves a state by a good part of its own size; the
+    tolerance, 2^-12 of each tensor's largest entry, is far below that."""
+    fresh = Target(model).make_cache()
+    model(mx.array(committed)[None], cache=fresh)
+    for i, (c, f) in enumerate(zip(cache, fresh)):
+        pairs = zip(c.cache, f.cache) if isinstance(c, ArraysCache) else zip(c.keys_and_values(), f.keys_and_values())
+        for a, b in pairs:
+            scale = max(float(mx.max(mx.abs(b))), 1e-30)
+            assert a.shape == b.shape and float(mx.max(mx.abs(a - b))) <= 2**-12 * scale, f"layer {i}"
+
+
 def _oracle_run(model, prompt, block_size, corrupt_at, cycles=2):
-    from test_loop import OracleProposer, assert_cache_equals_fresh_prefill
+    from test_loop import OracleProposer
 
     target = Target(model)
     continuation = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=(cycles + 1) * block_size + 2)]
@@ -211,7 +227,7 @@ def _oracle_run(model, prompt, block_size, corrupt_at, cycles=2):
         cycle = decoder.cycle()
         assert cycle.accepted == (block_size - 1 if corrupt_at is None else corrupt_at)
         out += cycle.tokens
-    return out, continuation, decoder, assert_cache_equals_fresh_prefill
+    return out, continuation, decoder, _close_to_fresh_prefill
 
 
 class Counting:
