@@ -218,9 +218,12 @@ def test_wrong_acceptance_rules_are_caught(model, name, rule):
     - residual p instead of max(p - q, 0) gives P'(v) = p(v) (1 + [v in S] - s),
       a chi-square divergence of s (1 - s): 1/4 at s = 1/2, the most any q can
       give this bug (it is m^2/p summed minus beta^2 <= beta - beta^2, m = min(p, q));
-    - accepting with u < p gives S tokens p(v)^2 / s instead of p(v) (q = p on
-      S is never accepted more than p), the rest scaled up to compensate: large
-      when S holds several tokens, which is why S starts at the 2nd token.
+      S skips the top token so that s stays near 1/2 when that one holds half;
+    - accepting with u < p accepts an S token with probability p(v) instead of
+      min(1, p/q) = s, so S tokens come out p(v)^2 / s instead of p(v), the
+      rest (from the residual) scaled up to compensate: far off when S holds
+      several tokens (one token of mass s is accepted with s either way),
+      which is why S does not stop at the 2nd token.
     Enumerated on this fixture (pooling cells as chi2_pvalue does), N = 800
     gives noncentralities of at least 162 (df 19) for the first bug and 249
     (df 7) for the second in every config: each is missed at p < 1e-6 with
