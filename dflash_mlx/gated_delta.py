@@ -42,6 +42,22 @@ class GatedDeltaRecord:
     beta: Optional[mx.array] = None  # [B, T, Hv] sigmoid(b) it used (kernel path only)
 
 
+def split_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """q, k, v [B, S, heads, dim] from the conv output, q and k normalized, as
+    mlx-lm's GatedDeltaNet makes them."""
+    B, S, _ = conv_out.shape
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    return q, k, v
+
+
 def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
     """GatedDeltaNet forward over [B, T, H] that also returns its record."""
     if mask is not None or cache.lengths is not None:
@@ -57,15 +73,7 @@ def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     cache[0] = mx.contiguous(conv_input[:, -(gdn.conv_kernel_size - 1) :, :])
     conv_out = nn.silu(gdn.conv1d(conv_input))
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = split_qkv(gdn, conv_out)
     state = cache[1]
     g = beta = None
     if not gdn.training and gdn_kernels.VERIFY.enabled():

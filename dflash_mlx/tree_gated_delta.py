@@ -23,8 +23,9 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import gated_delta_update
 
+from .gated_delta import split_qkv
 from .tree import Tree
 
 
@@ -83,15 +84,7 @@ def tree_attention(gdn: nn.Module, x: mx.array, tree_plan: TreePlan, cache: Arra
         conv_state = mx.zeros((1, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
     rows = mx.concatenate([conv_state, qkv], axis=1)[0]
     conv_out = nn.silu(gdn.conv1d(rows[tree_plan.windows])).reshape(1, N, -1)
-    q, k, v = [
-        t.reshape(1, N, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = split_qkv(gdn, conv_out)
     state = cache[1]
     states = state  # [nodes of the level above, Hv, Dv, Dk]; the context's for the root
     outputs = []
