@@ -23,22 +23,31 @@ def print_curve(curve: CostCurve, out, title: str) -> None:
     out.print(t)
 
 
-def main_calibrate(*, model: Optional[str], draft: Optional[str], dtype: str, out=None, err=None) -> CostCurve:
+def load_pair(pair, dtype: str):
+    """(target model, tokenizer, draft, dtype used) for a resolved pair: ``auto``
+    is float32 on the CPU backend (its fast matmuls) and the checkpoints' own
+    dtype elsewhere, ``keep`` the checkpoints' own."""
     import mlx.core as mx
 
     from ..loading import load, load_draft
+
+    target, tokenizer = load(pair.target)
+    draft = load_draft(pair.draft)
+    if dtype == "auto":
+        dtype = "float32" if mx.default_device() == mx.cpu else "keep"
+    if dtype != "keep":
+        target.set_dtype(getattr(mx, dtype))
+        draft.set_dtype(getattr(mx, dtype))
+    return target, tokenizer, draft, dtype
+
+
+def main_calibrate(*, model: Optional[str], draft: Optional[str], dtype: str, out=None, err=None) -> CostCurve:
     from ..target import Target
 
     out = out or console()
     err = err or console(stderr=True)
     pair = resolve_pair(model, draft)
-    target_model, _ = load(pair.target)
-    dft = load_draft(pair.draft)
-    if dtype == "auto":
-        dtype = "float32" if mx.default_device() == mx.cpu else "keep"
-    if dtype != "keep":
-        target_model.set_dtype(getattr(mx, dtype))
-        dft.set_dtype(getattr(mx, dtype))
+    target_model, _, dft, dtype = load_pair(pair, dtype)
     target = Target(target_model)
     curve = cost_curve(target, dft, refresh=True)
     name = "checkpoint dtype" if dtype == "keep" else dtype

@@ -12,7 +12,7 @@ from ..draft import DraftConfig
 from ..errors import DFlashError
 from ..registry import read_config, resolve_pair
 from ..target import Target
-from .calibrate import main_calibrate
+from .calibrate import load_pair, main_calibrate
 from .predict import main_predict
 from .prompts import select_prompts
 from .render import console, plot, render
@@ -101,11 +101,8 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     """The measured benchmark: prompts and pair resolved and block sizes checked
     against the draft's config before the models load; the tables, then the
     JSON report and the chart. ``enable_thinking`` None takes the registry's."""
-    import mlx.core as mx
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
-
-    from ..loading import load, load_draft
 
     err = err or console(stderr=True)
     out = out or console()
@@ -115,13 +112,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     warn = lambda message: err.print(f"warning: {message}", markup=False, highlight=False)  # noqa: E731
     block_sizes = [validate.block_size(b, trained, "--block-size", warn) for b in block_sizes or [validate.AUTO]]
     thinking = pair.enable_thinking if enable_thinking is None else enable_thinking
-    target, tokenizer = load(pair.target)
-    dft = load_draft(pair.draft)
-    if dtype == "auto":
-        dtype = "float32" if mx.default_device() == mx.cpu else "keep"
-    if dtype != "keep":
-        target.set_dtype(getattr(mx, dtype))
-        dft.set_dtype(getattr(mx, dtype))
+    target, tokenizer, dft, dtype = load_pair(pair, dtype)
     if chat_template and has_template(tokenizer):
         err.print(thinking_note(thinking), markup=False, highlight=False)
     if validate.AUTO in block_sizes:  # measured (or read) here, off the clock of every run
