@@ -5,16 +5,18 @@ ancestors, then the layer's conv window from the context), and its recurrent
 state is its parent's state advanced by one step. ``tree_layer`` runs the
 layer's own submodules (as ``gated_delta.recording_attention`` does): the
 projections and the convolution for all nodes at once, the convolution over
-each node's gathered window, and the recurrence one depth level at a time,
-vectorised across the level's nodes, each gathering its parent's state. Only
-two levels of states are alive at once; nothing per node outlives the layer
-but its q, k, v, a, b and conv input.
+each node's gathered window, and the recurrence through the
+``gdn_tree_verify`` kernel (:mod:`dflash_mlx.kernels.gdn_tree`), which writes
+each node's output and no per-node state; where it does not run, its
+reference steps one depth level at a time, each node from its parent's state
+(two levels of states alive at once). Nothing per node outlives the layer but
+its q, k, v, a, b and conv input.
 
 The pass leaves the cache untouched; ``commit`` sets it to the accepted
 path's end: the conv window is the path's last K-1 inputs and the state is
-the context state advanced along the path by mlx-lm's ``gated_delta_update``,
-the same steps the chain would have taken. (Reference path only: the Metal
-``gdn_tree_verify`` kernel is not written.)
+the context state advanced along the path by what the chain's verify pass
+runs (the ``gdn_verify`` kernel where active, else mlx-lm's
+``gated_delta_update``), so it is bit for bit the state the chain would hold.
 """
 
 from dataclasses import dataclass
@@ -23,9 +25,12 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import gated_delta_update
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 
 from .gated_delta import split_qkv
+from .kernels import gdn as gdn_kernels
+from .kernels.gdn_tree import KERNEL as TREE_KERNEL
+from .kernels.gdn_tree import TreeIndex
 from .tree import Tree
 
 
@@ -34,9 +39,7 @@ class TreePlan:
     """Host-side indices of one tree, shared by every GatedDeltaNet layer of a pass."""
 
     windows: mx.array  # [N, K]: rows of [conv window ; nodes] each node's conv reads
-    levels: list[mx.array]  # per depth: the node indices at that depth
-    parent_rows: list[mx.array]  # per depth > 0: each node's parent's row in the level above
-    order: mx.array  # [N]: position of each node in the levels laid end to end
+    index: TreeIndex  # the recurrence's: depth levels and the kernel's walk
 
 
 def plan(tree: Tree, kernel_size: int) -> TreePlan:
@@ -45,16 +48,7 @@ def plan(tree: Tree, kernel_size: int) -> TreePlan:
     for node in range(len(tree)):
         rows = list(range(window)) + [window + i for i in tree.path(node)]
         windows.append(rows[-kernel_size:])
-    by_depth: list[list[int]] = [[] for _ in range(max(tree.depths) + 1)]
-    for node, depth in enumerate(tree.depths):
-        by_depth[depth].append(node)
-    row_of = {node: r for level in by_depth for r, node in enumerate(level)}
-    parent_rows = [mx.array([row_of[tree.parents[n]] for n in level]) for level in by_depth[1:]]
-    flat = [n for level in by_depth for n in level]
-    order = [0] * len(flat)
-    for position, node in enumerate(flat):
-        order[node] = position
-    return TreePlan(mx.array(windows), [mx.array(level) for level in by_depth], parent_rows, mx.array(order))
+    return TreePlan(mx.array(windows), TreeIndex.of(tree.parents))
 
 
 @dataclass
@@ -86,15 +80,11 @@ def tree_attention(gdn: nn.Module, x: mx.array, tree_plan: TreePlan, cache: Arra
     conv_out = nn.silu(gdn.conv1d(rows[tree_plan.windows])).reshape(1, N, -1)
     q, k, v = split_qkv(gdn, conv_out)
     state = cache[1]
-    states = state  # [nodes of the level above, Hv, Dv, Dk]; the context's for the root
-    outputs = []
-    for depth, level in enumerate(tree_plan.levels):
-        parents = states if depth == 0 else states[tree_plan.parent_rows[depth - 1]]
-        step = [t[0, level][:, None] for t in (q, k, v, a, b)]  # each [n, 1, ...]: one step per node
-        out, states = gated_delta_update(*step, gdn.A_log, gdn.dt_bias, parents, None,
-                                         use_kernel=not gdn.training)
-        outputs.append(out[:, 0])
-    out = mx.concatenate(outputs, axis=0)[tree_plan.order][None]
+    if state is None:
+        state = mx.zeros((1, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), dtype=mx.float32)
+    g, beta = compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b)
+    recurrence = TREE_KERNEL.reference if gdn.training else TREE_KERNEL
+    (out,) = recurrence(q, k, v, g, beta, state, tree=tree_plan.index)
     out = gdn.out_proj(gdn.norm(out, z).reshape(1, N, -1))
     return out, TreeRecord(conv_state, qkv, q, k, v, a, b, state, gdn)
 
@@ -113,6 +103,11 @@ def commit(cache: ArraysCache, record: TreeRecord, path: list[int]) -> None:
     inputs = mx.concatenate([record.conv_state, record.qkv[:, rows]], axis=1)
     cache[0] = mx.contiguous(inputs[:, -window:, :])
     gdn = record.layer
-    steps = [t[:, rows] for t in (record.q, record.k, record.v, record.a, record.b)]
-    _, cache[1] = gated_delta_update(*steps, gdn.A_log, gdn.dt_bias, record.state, None,
+    q, k, v, a, b = (t[:, rows] for t in (record.q, record.k, record.v, record.a, record.b))
+    if not gdn.training:  # as gated_delta.recording_attention runs a verified block
+        g, beta = compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b)
+        if gdn_kernels.VERIFY.active(q, k, v, g, beta, record.state):
+            _, cache[1] = gdn_kernels.VERIFY.launch(q, k, v, g, beta, record.state)
+            return
+    _, cache[1] = gated_delta_update(q, k, v, a, b, gdn.A_log, gdn.dt_bias, record.state, None,
                                      use_kernel=not gdn.training)

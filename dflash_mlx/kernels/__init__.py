@@ -11,12 +11,14 @@ reference with the same semantics, and dispatch through the kernel policy
   used by the target's verify pass (:mod:`dflash_mlx.verify_matmuls`).
 - ``gdn_verify``, ``gdn_replay``: GatedDeltaNet recurrence over a verified
   block and its rollback by replay, used by :mod:`dflash_mlx.gated_delta`.
+- ``gdn_tree_verify``: the same recurrence over a DDTree, each node from its
+  parent's state, used by :mod:`dflash_mlx.tree_gated_delta`.
 
 On Linux the kernels are proven by running their sources through the CPU
 emulation harness: :mod:`.emulated` (``python -m dflash_mlx.kernels``).
 """
 
-from . import gdn, kv_inject, qmm, verify_greedy, verify_sampled
+from . import gdn, gdn_tree, kv_inject, qmm, verify_greedy, verify_sampled
 from .registry import (
     METAL,
     REFERENCE_ENV,
@@ -32,7 +34,8 @@ from .registry import (
 
 KERNELS: dict[str, Kernel] = {
     k.name: k
-    for k in (verify_greedy.KERNEL, verify_sampled.KERNEL, kv_inject.KERNEL, qmm.KERNEL, gdn.VERIFY, gdn.REPLAY)
+    for k in (verify_greedy.KERNEL, verify_sampled.KERNEL, kv_inject.KERNEL, qmm.KERNEL, gdn.VERIFY, gdn.REPLAY,
+              gdn_tree.KERNEL)
 }
 
 
@@ -50,6 +53,6 @@ def status(check: bool = True) -> dict[str, str]:
 
 __all__ = [
     "KERNELS", "METAL", "REFERENCE_ENV", "Backend", "Kernel", "KernelPolicy", "Launch",
-    "current_policy", "gdn", "get", "kv_inject", "metal_dir", "qmm", "status", "use_backend",
+    "current_policy", "gdn", "gdn_tree", "get", "kv_inject", "metal_dir", "qmm", "status", "use_backend",
     "use_policy", "verify_greedy", "verify_sampled",
 ]

@@ -46,7 +46,8 @@ def _gated_delta():
 
 
 # ---------------------------------------------------------------- shared checks
-def _unsupported(q_or_k, k, v, g, beta, state) -> Optional[str]:
+def unsupported_inputs(q_or_k, k, v, g, beta, state) -> Optional[str]:
+    """Why the recurrence kernels cannot take these inputs, or None."""
     if q_or_k.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return "q, k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv]"
     B, T, Hk, Dk = k.shape
@@ -70,7 +71,8 @@ def _unsupported(q_or_k, k, v, g, beta, state) -> Optional[str]:
     return None
 
 
-def _launch_shape(k, v) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def launch_shape(k, v) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """One SIMD-group per value row of each (sequence, value head)."""
     B, _, _, _ = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     return (32, Dv, B * Hv), (32, 4, 1)
@@ -83,6 +85,12 @@ def state_tolerance(k: mx.array, state: mx.array, steps: int) -> float:
     Dk = k.shape[-1]
     peak = max(float(mx.max(mx.abs(state))), 1.0)
     return 4 * Dk * max(steps, 1) * 2.0**-24 * peak
+
+
+def y_mismatch(got: mx.array, want: mx.array, tol: float) -> Optional[str]:
+    """Outputs agree within the states' tolerance plus the final rounding to their dtype."""
+    ulp = Y_ULPS[want.dtype]
+    return mismatch("y", got, want, rtol=ulp, atol=tol + ulp)
 
 
 # ---------------------------------------------------------------- inputs
@@ -120,7 +128,7 @@ class GdnVerify(Kernel):
         return tuple(_gated_delta().gated_delta_ops(q, k, v, g, beta, state))
 
     def configure(self, q, k, v, g, beta, state) -> Launch:
-        grid, tg = _launch_shape(k, v)
+        grid, tg = launch_shape(k, v)
         B, T, _, Dk = k.shape
         Hv, Dv = v.shape[2], v.shape[3]
         return Launch(
@@ -131,14 +139,13 @@ class GdnVerify(Kernel):
         )
 
     def unsupported(self, q, k, v, g, beta, state) -> Optional[str]:
-        return _unsupported(q, k, v, g, beta, state)
+        return unsupported_inputs(q, k, v, g, beta, state)
 
     def compare(self, got, want, inputs, params) -> Optional[str]:
         q, k, v, g, beta, state = inputs
         T = k.shape[1]
         tol = state_tolerance(k, want[1], T)
-        ulp = Y_ULPS[q.dtype]
-        return mismatch("y", got[0], want[0], rtol=ulp, atol=tol + ulp) or mismatch("state", got[1], want[1], atol=tol)
+        return y_mismatch(got[0], want[0], tol) or mismatch("state", got[1], want[1], atol=tol)
 
     def sample(self, rng: np.random.Generator) -> tuple[tuple, dict]:
         return make_inputs(rng, B=2, T=5, Hk=1, Hv=2, Dk=64, Dv=8), {}
@@ -164,7 +171,7 @@ class GdnReplay(Kernel):
         return [k, v, g, beta, state, mx.array(keep, dtype=mx.int32).reshape(-1)]
 
     def configure(self, k, v, g, beta, state, keep) -> Launch:
-        grid, tg = _launch_shape(k, v)
+        grid, tg = launch_shape(k, v)
         return Launch(
             grid=grid, threadgroup=tg,
             output_shapes=[tuple(state.shape)],
@@ -173,7 +180,7 @@ class GdnReplay(Kernel):
         )
 
     def unsupported(self, k, v, g, beta, state, keep) -> Optional[str]:
-        problem = _unsupported(k, k, v, g, beta, state)
+        problem = unsupported_inputs(k, k, v, g, beta, state)
         if problem:
             return problem
         keep = mx.array(keep).reshape(-1)
@@ -193,4 +200,5 @@ class GdnReplay(Kernel):
 VERIFY = GdnVerify()
 REPLAY = GdnReplay()
 
-__all__ = ["REPLAY", "VERIFY", "GdnReplay", "GdnVerify", "make_inputs", "state_tolerance"]
+__all__ = ["REPLAY", "VERIFY", "GdnReplay", "GdnVerify", "launch_shape", "make_inputs", "state_tolerance",
+           "unsupported_inputs", "y_mismatch"]
