@@ -330,6 +330,7 @@ def bench(
     top_k: int = typer.Option(0, "--top-k"),
     min_p: float = typer.Option(0.0, "--min-p"),
     seed: int = typer.Option(0, "--seed", help="Random seed of both sides when sampling."),
+    tree_budget: Optional[list[str]] = typer.Option(None, "--tree-budget", help="Also run a DDTree of up to B drafted nodes per cycle, at the first integer --block-size (else the draft's trained size); repeat or comma-separate (e.g. --tree-budget 16,32). 0: the chain only. With --predict: price each tree's verify over B+1 positions."),
     repeat: int = typer.Option(1, "--repeat", "-r", help="Runs per prompt and arm."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Use at most N prompts, taken round-robin over categories."),
     category: Optional[list[str]] = typer.Option(None, "--category", help="Only these prompt categories (repeatable)."),
@@ -341,6 +342,7 @@ def bench(
     plot_out: Optional[str] = typer.Option(None, "--plot", help="Write a PNG chart (needs the plot extra: matplotlib)."),
     predict: bool = typer.Option(False, "--predict", help="No run: predict the speedup on Apple M-series chips from bytes and FLOPs."),
     tau: Optional[float] = typer.Option(None, "--tau", help="--predict: the acceptance length tau at the first --block-size (others extrapolated)."),
+    tree_tau: Optional[float] = typer.Option(None, "--tree-tau", help="--predict: tokens per cycle expected of every --tree-budget arm. Default: measured in --results for that budget and block, else the chain's tau at the tree's block (no gain assumed; the 'tie tau' column says what the tree must reach)."),
     results: Optional[str] = typer.Option(None, "--results", help="--predict: take tau (and the pair) from a bench --json report."),
     preset: Optional[str] = typer.Option(None, "--preset", help="--predict: a published model instead of --model/--draft (qwen3.5-4b, qwen3.5-9b, qwen3.5-27b-4bit, qwen3.5-35b-a3b-4bit)."),
     chip: Optional[list[str]] = typer.Option(None, "--chip", help="--predict: only these chips (e.g. 'M5 Max'); default: all."),
@@ -350,7 +352,7 @@ def bench(
     synthetic: bool = typer.Option(False, "--synthetic", help="No model: a random ~200M-parameter target built in memory, decoded with oracle drafts right for all, half or none of each block; prints the loop's efficiency (measured over ideal speedup)."),
     calibrate: bool = typer.Option(False, "--calibrate", help="No run: measure the pair's cost per cycle at each block size on this machine (what --block-size auto uses), cache and print it."),
 ):
-    """Baseline (mlx-lm) and DFlash side by side: speedup, tau, acceptance, memory, identity."""
+    """Baseline (mlx-lm), DFlash chains and DDTrees side by side: speedup, tau, acceptance, memory, identity."""
     _call(".bench.command", "main", **locals())
 
 

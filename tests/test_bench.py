@@ -17,7 +17,7 @@ from dflash_mlx.bench.chips import Chip, find_chips
 from dflash_mlx.bench.presets import PRESETS
 from dflash_mlx.bench.prompts import CATEGORIES, builtin_prompts, load_prompts, select
 from dflash_mlx.bench.render import render
-from dflash_mlx.bench.schedule import BASELINE, DFLASH, schedule
+from dflash_mlx.bench.schedule import BASELINE, DFLASH, Arm, schedule
 from dflash_mlx.cli import app
 
 PROMPTS = [
@@ -29,7 +29,7 @@ PROMPTS = [
 # ---------------------------------------------------------------- order
 
 def test_schedule_interleaves_and_alternates():
-    steps = schedule(2, 2, [16, 8])
+    steps = schedule(2, 2, [Arm(16), Arm(8)])
     labels = [(s.repeat, s.prompt, s.label) for s in steps]
     unit0 = [(0, 0, "baseline"), (0, 0, "dflash b=16"), (0, 0, "dflash b=8")]
     unit1 = [(0, 1, "dflash b=8"), (0, 1, "dflash b=16"), (0, 1, "baseline")]
@@ -37,7 +37,7 @@ def test_schedule_interleaves_and_alternates():
     unit3 = [(1, 1, "dflash b=8"), (1, 1, "dflash b=16"), (1, 1, "baseline")]
     assert labels == unit0 + unit1 + unit2 + unit3
     # an odd number of prompts still alternates across repeats
-    firsts = [schedule(3, 2, [4])[i].arm for i in range(0, 12, 2)]
+    firsts = [schedule(3, 2, [Arm(4)])[i].arm for i in range(0, 12, 2)]
     assert firsts == ["baseline", "dflash", "baseline", "dflash", "baseline", "dflash"]
 
 
@@ -45,7 +45,7 @@ def test_run_bench_calls_runners_in_schedule_order():
     calls = []
 
     def fake(arm):
-        def run(*args):
+        def run(*args, tree_budget=None):
             block, tokens = (args[5], args[4]) if arm == "dflash" else (None, args[3])
             calls.append((arm, block, tokens))
             rec = {"prompt_tokens": 3, "tokens": [1, 2, 3], "generated": 3, "finish_reason": "length",
@@ -64,7 +64,7 @@ def test_run_bench_calls_runners_in_schedule_order():
         def encode(self, text, add_special_tokens=True):
             return [len(w) for w in text.split()]
 
-    out = runs.run_bench(None, None, Tok(), PROMPTS, block_sizes=[4, 8], max_tokens=5, repeat=1,
+    out = runs.run_bench(None, None, Tok(), PROMPTS, arms=[Arm(4), Arm(8)], max_tokens=5, repeat=1,
                       warmup_tokens=2, runners={"baseline": fake("baseline"), "dflash": fake("dflash")})
     warm = [("baseline", None, 2), ("dflash", 4, 2), ("dflash", 8, 2)]
     timed = [("baseline", None, 5), ("dflash", 4, 5), ("dflash", 8, 5),
@@ -115,7 +115,7 @@ def test_speedup_and_tau_arithmetic():
     assert pairs[0]["speedup"] == pytest.approx(4.0) and pairs[1]["speedup"] == pytest.approx(5.0)
     assert pairs[0]["wall_speedup"] == pytest.approx(2.5) and pairs[1]["wall_speedup"] == pytest.approx(2.5)
     assert pairs[0]["tau"] == pytest.approx(11 / 4) and pairs[1]["tau"] == pytest.approx(13 / 6)
-    s = summary.summarize(runs, pairs, [4])["dflash"]["4"]
+    s = summary.summarize(runs, pairs, [Arm(4)])["dflash"]["4"]
     # 10 cycles, 14 accepted drafts: tau = (14 + 10) / 10; rate = 14 / (10 * 3)
     assert s["cycles"] == 10
     assert s["tau"] == pytest.approx(2.4)
@@ -131,7 +131,7 @@ def test_speedup_and_tau_arithmetic():
     assert s["by_category"]["math"]["speedup"]["median"] == pytest.approx(4.0)
     assert s["by_category"]["chat"]["tau"] == pytest.approx(13 / 6)
     assert s["identical"] == 2 and s["compared"] == 2 and s["divergences"] == []
-    base = summary.summarize(runs, pairs, [4])["baseline"]
+    base = summary.summarize(runs, pairs, [Arm(4)])["baseline"]
     assert base["decode_tps"]["median"] == pytest.approx(3.5) and base["wall_s"] == pytest.approx(7.5)
     assert base["distinct_token_ratio"]["median"] == pytest.approx(0.375)
 
@@ -147,7 +147,7 @@ def test_stats():
 def test_sampling_pairs_are_not_compared():
     runs = [_run(0, "p", "c", BASELINE, 5, 1.0), _run(1, "p", "c", DFLASH, 5, 1.0, 4, [1, 1])]
     pairs = summary.make_pairs(runs, compare=False)
-    s = summary.summarize(runs, pairs, [4])["dflash"]["4"]
+    s = summary.summarize(runs, pairs, [Arm(4)])["dflash"]["4"]
     assert pairs[0]["identical"] is None and s["identical"] is None and s["compared"] == 0
 
 
@@ -163,7 +163,7 @@ def pair(target_dirs, draft_dir):
 
 def test_report_schema_and_identity_on_tiny_models(pair, tmp_path):
     model, draft, tokenizer = pair
-    result = runs.run_bench(model, draft, tokenizer, PROMPTS, block_sizes=[4, 2], max_tokens=10,
+    result = runs.run_bench(model, draft, tokenizer, PROMPTS, arms=[Arm(4), Arm(2)], max_tokens=10,
                          chat_template=False, warmup_tokens=2)
     config = {"model": "t", "draft": "d", "max_tokens": 10, "block_sizes": [4, 2], "repeat": 1,
               "temperature": 0.0, "dtype": "checkpoint", "chat_template": False, "prompts": "test"}
@@ -200,12 +200,12 @@ def test_report_schema_and_identity_on_tiny_models(pair, tmp_path):
 def test_divergence_is_reported(pair):
     model, draft, tokenizer = pair
 
-    def corrupted(*args):  # DFlash, with one token changed
-        rec = runs.run_dflash(*args)
+    def corrupted(*args, **kwargs):  # DFlash, with one token changed
+        rec = runs.run_dflash(*args, **kwargs)
         rec["tokens"][3] = (rec["tokens"][3] + 1) % 500
         return rec
 
-    result = runs.run_bench(model, draft, tokenizer, PROMPTS[:1], block_sizes=[4], max_tokens=8,
+    result = runs.run_bench(model, draft, tokenizer, PROMPTS[:1], arms=[Arm(4)], max_tokens=8,
                          chat_template=False, warmup_tokens=0, runners={"dflash": corrupted})
     side = result["summary"]["dflash"]["4"]
     assert side["identical"] == 0 and side["compared"] == 1
@@ -223,7 +223,7 @@ def test_divergence_from_another_target(pair, tmp_path):
     def other_baseline(_model, tok, ids, max_tokens, sampling):
         return runs.run_baseline(other, tok, ids, max_tokens, sampling)
 
-    result = runs.run_bench(model, draft, tokenizer, PROMPTS, block_sizes=[4], max_tokens=8,
+    result = runs.run_bench(model, draft, tokenizer, PROMPTS, arms=[Arm(4)], max_tokens=8,
                          chat_template=False, warmup_tokens=0, runners={"baseline": other_baseline})
     side = result["summary"]["dflash"]["4"]
     assert side["identical"] < 2 and len(side["divergences"]) == 2 - side["identical"]
@@ -235,7 +235,7 @@ def test_validate_report_rejects_bad_reports(pair):
             "config": {"model": "t", "draft": "d", "max_tokens": 5, "block_sizes": [4], "repeat": 1,
                        "temperature": 0, "dtype": "float32", "chat_template": True, "prompts": "builtin"},
             "prompts": [], "runs": [], "pairs": [],
-            "summary": summary.summarize([], [], [4])}
+            "summary": summary.summarize([], [], [Arm(4)])}
     report.validate_report(good)
     for breaking in (lambda r: r.pop("runs"), lambda r: r.update(schema="other"),
                      lambda r: r["config"].update(max_tokens="5"),

@@ -334,6 +334,7 @@ def test_bench_runs_an_auto_arm_beside_fixed_blocks(target_dirs, draft_dir, tmp_
     from dflash_mlx.bench import report, runs
     from dflash_mlx.bench.command import parse_block_sizes
     from dflash_mlx.bench.render import render
+    from dflash_mlx.bench.schedule import Arm
 
     assert parse_block_sizes(["auto,16", "8", "auto"]) == ["auto", 16, 8]
     with pytest.raises(DFlashError, match="'x' is not an integer or 'auto'"):
@@ -344,7 +345,7 @@ def test_bench_runs_an_auto_arm_beside_fixed_blocks(target_dirs, draft_dir, tmp_
     key = cc.cache_key(Target(model), draft)
     cc.write_cached(cc.cache_path(key), key, CostCurve((1, 2, 4), (1.0, 1.2, 1.6), (0.0, 0.5, 0.7)))
     prompts = [{"prompt": p, "category": "c", "id": str(i)} for i, p in enumerate(PROMPTS)]
-    result = runs.run_bench(model, draft, tokenizer, prompts, block_sizes=["auto", 4], max_tokens=24,
+    result = runs.run_bench(model, draft, tokenizer, prompts, arms=[Arm("auto"), Arm(4)], max_tokens=24,
                             chat_template=False, warmup_tokens=0)
     config = {"model": "t", "draft": "d", "max_tokens": 24, "block_sizes": ["auto", 4], "repeat": 1,
               "temperature": 0.0, "dtype": "checkpoint", "chat_template": False, "prompts": "test"}

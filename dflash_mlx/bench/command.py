@@ -1,9 +1,10 @@
 """``dflash-mlx bench``: its options, checked before any model loads, then the
-measured run (``main_run``) or, with ``--predict``, the cost model
+measured run (``main_run``: the baseline, the chain at each block size and the
+DDTree of each budget) or, with ``--predict``, the cost model
 (``bench.predict.main_predict``)."""
 
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 from .. import validate
 from ..chat import has_template, thinking_note
@@ -13,11 +14,13 @@ from ..errors import DFlashError
 from ..registry import read_config, resolve_pair
 from ..target import Target
 from .calibrate import load_pair, main_calibrate
+from .cost_model import context_length
 from .predict import main_predict
 from .prompts import select_prompts
 from .render import console, plot, render
 from .report import check_output_file, machine_info, make_report, validate_report, write_json
 from .runs import run_bench
+from .schedule import arms
 from .synthetic import main_synthetic
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -25,36 +28,54 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed"}
 
 
-def parse_block_sizes(values: Optional[list[str]]) -> Optional[list]:
-    """Repeated and/or comma-separated block sizes (integers or ``auto``), in
-    order, without duplicates."""
-    if not values:
-        return None
+def _listed(values: Optional[list[str]], parse: Callable) -> list:
+    """Repeated and/or comma-separated option values, each parsed, in order,
+    without duplicates; ``parse`` returns None for a value that adds nothing."""
     out = []
-    for v in values:
+    for v in values or []:
         for part in str(v).split(","):
-            part = part.strip()
-            if not part:
-                continue
-            b = validate.block_option(part, "--block-size")
-            if b not in out:
-                out.append(b)
-    return out or None
+            item = parse(part.strip()) if part.strip() else None
+            if item is not None and item not in out:
+                out.append(item)
+    return out
+
+
+def parse_block_sizes(values: Optional[list[str]]) -> Optional[list]:
+    """``--block-size``: integers or ``auto``; None when none is given."""
+    return _listed(values, lambda part: validate.block_option(part, "--block-size")) or None
+
+
+def _budget(text: str) -> Optional[int]:
+    try:
+        value = int(text)
+    except ValueError:
+        raise DFlashError(f"Invalid value for '--tree-budget': '{text}' is not an integer") from None
+    return validate.tree_budget(value, None, "--tree-budget")
+
+
+def parse_tree_budgets(values: Optional[list[str]]) -> list[int]:
+    """``--tree-budget``: integers >= 1, or 0 for the chain (which every run has)."""
+    return _listed(values, _budget)
 
 
 def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
          block_size: Optional[list[str]], temp: float, top_p: float, top_k: int, min_p: float,
-         seed: int, repeat: int, limit: Optional[int], category: Optional[list[str]], dtype: str,
+         seed: int, tree_budget: Optional[list[str]], repeat: int, limit: Optional[int],
+         category: Optional[list[str]], dtype: str,
          no_chat_template: bool, thinking: Optional[bool], warmup: bool, json_out: Optional[str],
-         plot_out: Optional[str], predict: bool, tau: Optional[float], results: Optional[str],
+         plot_out: Optional[str], predict: bool, tau: Optional[float], tree_tau: Optional[float],
+         results: Optional[str],
          preset: Optional[str], chip: Optional[list[str]], context: int,
          neural_accelerators: bool, overhead_ms: float, calibrate: bool, synthetic: bool) -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed."""
     sizes = parse_block_sizes(block_size)
+    budgets = parse_tree_budgets(tree_budget)
     if dtype not in ("auto", "keep", *DTYPES):
         raise DFlashError(f"--dtype must be auto, keep, {', '.join(DTYPES)}; got '{dtype}'")
     if sum((calibrate, predict, synthetic)) > 1:
         raise DFlashError("--calibrate, --predict and --synthetic are separate modes: give one")
+    if budgets and (calibrate or synthetic):
+        raise DFlashError("--tree-budget applies to a measured run or --predict, not --calibrate or --synthetic")
     if calibrate:
         main_calibrate(model=model, draft=draft, dtype=dtype)
         return
@@ -70,12 +91,13 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
         if sizes and validate.AUTO in sizes:
             raise DFlashError("--predict prices fixed block sizes; leave 'auto' out of --block-size")
         main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
-                     block_sizes=sizes, chips=chip, context=context,
+                     block_sizes=sizes, tree_budgets=budgets, tree_tau=tree_tau, chips=chip,
+                     context=context,
                      dtype=None if dtype in ("auto", "keep") else dtype,
                      neural=neural_accelerators, overhead_ms=overhead_ms, json_out=json_out)
         return
-    if tau is not None or results or preset:
-        raise DFlashError("--tau, --results and --preset only apply with --predict")
+    if tau is not None or tree_tau is not None or results or preset:
+        raise DFlashError("--tau, --tree-tau, --results and --preset only apply with --predict")
     sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     validate.options({"max_tokens": max_tokens, **sampling}, FLAGS)
     validate.integer(repeat, "--repeat", low=1)
@@ -88,19 +110,22 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
         check_output_file(plot_out, "--plot")
     main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, block_sizes=sizes,
-             sampling=sampling, repeat=repeat, limit=limit, categories=category, dtype=dtype,
+             tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit, categories=category, dtype=dtype,
              chat_template=not no_chat_template, enable_thinking=thinking, warmup=warmup,
              json_out=json_out, plot_out=plot_out)
 
 
 def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
-             block_sizes: Optional[list[int]], sampling: dict, repeat: int, limit: Optional[int],
+             block_sizes: Optional[list[int]], tree_budgets: list[int], sampling: dict,
+             repeat: int, limit: Optional[int],
              categories: Optional[list[str]], dtype: str, chat_template: bool,
              enable_thinking: Optional[bool], warmup: bool, json_out: Optional[str],
              plot_out: Optional[str], err=None, out=None) -> dict:
-    """The measured benchmark: prompts and pair resolved and block sizes checked
-    against the draft's config before the models load; the tables, then the
-    JSON report and the chart. ``enable_thinking`` None takes the registry's."""
+    """The measured benchmark: prompts and pair resolved, block sizes checked
+    against the draft's config and tree budgets against the target's context
+    length before the models load; the tables, then the JSON report and the
+    chart. Each tree runs at the first fixed block size given, else at the
+    draft's trained size. ``enable_thinking`` None takes the registry's."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
@@ -111,13 +136,19 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     trained = DraftConfig.from_dict(read_config(pair.draft, "draft")).block_size
     warn = lambda message: err.print(f"warning: {message}", markup=False, highlight=False)  # noqa: E731
     block_sizes = [validate.block_size(b, trained, "--block-size", warn) for b in block_sizes or [validate.AUTO]]
+    tree_block = next((b for b in block_sizes if b != validate.AUTO), trained) if tree_budgets else None
+    if tree_budgets:
+        context = context_length(read_config(pair.target, "target"))
+        for budget in tree_budgets:
+            validate.tree_budget(budget, context, "--tree-budget")
+    dflash_arms = arms(block_sizes, tree_budgets, tree_block)
     thinking = pair.enable_thinking if enable_thinking is None else enable_thinking
     target, tokenizer, dft, dtype = load_pair(pair, dtype)
     if chat_template and has_template(tokenizer):
         err.print(thinking_note(thinking), markup=False, highlight=False)
     if validate.AUTO in block_sizes:  # measured (or read) here, off the clock of every run
         cost_curve(Target(target), dft)
-    steps = len(chosen) * repeat * (1 + len(block_sizes)) + (1 + len(block_sizes) if warmup else 0)
+    steps = (len(chosen) * repeat + int(warmup)) * (1 + len(dflash_arms))
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=False) as progress, warnings.catch_warnings():
@@ -131,13 +162,14 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
             started[0] = True
             progress.update(task, description=description)
 
-        result = run_bench(target, dft, tokenizer, chosen, block_sizes=block_sizes,
+        result = run_bench(target, dft, tokenizer, chosen, arms=dflash_arms,
                            max_tokens=max_tokens, repeat=repeat, sampling=sampling,
                            chat_template=chat_template, enable_thinking=thinking,
                            warmup_tokens=16 if warmup else 0, on_step=on_step)
         progress.advance(task)
     config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,
-              "block_sizes": block_sizes, "repeat": repeat, **sampling,
+              "block_sizes": block_sizes, "tree_budgets": tree_budgets, "tree_block_size": tree_block,
+              "repeat": repeat, **sampling,
               "dtype": "checkpoint" if dtype == "keep" else dtype, "chat_template": chat_template,
               "enable_thinking": thinking, "prompts": prompts, "categories": categories,
               "limit": limit, "warmup": warmup, "draft_trained_block_size": trained}

@@ -10,6 +10,12 @@ a pessimistic bound, their sum (``serial``: no overlap of memory and compute).
   the target's LM head, which the draft borrows, for b-1 logits rows; the
   injection of the tau new context positions) plus one target pass over b tokens.
 - It emits tau tokens, so speedup = tau * t_step / (t_draft + t_verify).
+- A DDTree cycle of budget B drafts the same b-token block, then verifies the
+  pending token and the B nodes in one target pass over B+1 positions (B+1
+  logits rows); each node's GatedDeltaNet state steps from its parent's, so
+  the pass reads and writes B+1 states, and the commit replays the accepted
+  path from the context's state (one more). tau is then the tree's tokens per
+  cycle, at most b (the tree is b-1 deep).
 
 What a pass reads: every weight once (embeddings only for the rows looked up,
 the LM head once however many rows), the KV cache of the attention layers over
@@ -24,8 +30,9 @@ class) is built with lazy, never-evaluated parameters and every tensor's shape
 is counted, quantized ones at bits/8 plus one scale and one bias per group.
 
 Not modelled: kernel launch and host synchronization per pass, attention and
-recurrence kernels below peak, and the lower efficiency of small matmuls; the
-README compares the result with published measurements.
+recurrence kernels below peak, the lower efficiency of small matmuls, and the
+tree's construction on the host; the README compares the result with
+published measurements.
 """
 
 import copy
@@ -83,10 +90,12 @@ class TargetProfile:
         E, k = self.num_experts, self.experts_per_token
         return E * (1.0 - (1.0 - k / E) ** tokens)
 
-    def forward(self, tokens: int, context: int, logits_rows: int) -> Pass:
+    def forward(self, tokens: int, context: int, logits_rows: int, states: int = 1) -> Pass:
+        """One pass over ``tokens`` positions that reads and writes ``states``
+        recurrent states (1 for a sequence; a tree steps one per node)."""
         nbytes = (self.dense_bytes + tokens * self.embed_row_bytes
                   + self.expert_bytes * self.experts_touched(tokens)
-                  + self.kv_bytes_per_pos * (context + tokens) + 2 * self.state_bytes)
+                  + self.kv_bytes_per_pos * (context + tokens) + 2 * states * self.state_bytes)
         if logits_rows:
             nbytes += self.head_bytes
         flops = (tokens * (self.dense_flops + self.expert_flops + self.state_flops)
@@ -121,6 +130,11 @@ class DraftProfile:
 
 def _text(config: dict) -> dict:
     return config.get("text_config", config)
+
+
+def context_length(config: dict) -> Optional[int]:
+    """The target's context length (``max_position_embeddings``), None if its config gives none."""
+    return (config.get("text_config") or config).get("max_position_embeddings")
 
 
 def _dtype_bytes(config: dict, dtype: Optional[str]) -> int:
@@ -296,21 +310,27 @@ class Prediction:
     draft_ms: float
     verify_ms: float
     verify_bound: str
+    tree_budget: Optional[int] = None  # a DDTree's node budget; None: the chain
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def predict(target: TargetProfile, draft: DraftProfile, chip: Chip, tau: float, block_size: int,
-            context: int = 1024, overhead_ms: float = 0.0, neural: bool = False) -> Prediction:
-    """Expected autoregressive and DFlash decode speed on ``chip``."""
+            context: int = 1024, overhead_ms: float = 0.0, neural: bool = False,
+            tree_budget: Optional[int] = None) -> Prediction:
+    """Expected autoregressive and DFlash decode speed on ``chip``: the chain of
+    ``block_size``, or with ``tree_budget`` B a DDTree of B nodes b-1 deep."""
     if block_size < 2:
         raise DFlashError(f"block_size must be at least 2, got {block_size}")
     if not 1.0 <= tau <= block_size:
         raise DFlashError(f"tau must lie in [1, block_size={block_size}], got {tau:g}")
     over = overhead_ms / 1e3
     step = target.forward(1, context, 1)
-    verify = target.forward(block_size, context, block_size)
+    if tree_budget is None:
+        verify = target.forward(block_size, context, block_size)
+    else:
+        verify = target.forward(tree_budget + 1, context, tree_budget + 1, states=tree_budget + 2)
     drafting = draft.forward(target, block_size, context, tau)
     times = {}
     for overlap in (True, False):
@@ -324,5 +344,5 @@ def predict(target: TargetProfile, draft: DraftProfile, chip: Chip, tau: float, 
         speedup=tau * t_step / t_cycle, speedup_serial=tau * s_step / s_cycle,
         step_ms=1e3 * t_step, draft_ms=1e3 * drafting.seconds(chip, True, neural) + overhead_ms,
         verify_ms=1e3 * verify.seconds(chip, True, neural) + overhead_ms,
-        verify_bound=verify.bound(chip, neural),
+        verify_bound=verify.bound(chip, neural), tree_budget=tree_budget,
     )

@@ -1,5 +1,6 @@
 """``dflash-mlx bench --predict``: the expected speedup on Apple M-series chips
-from the cost model, with no generation run."""
+from the cost model, with no generation run, for the chain at each block size
+and the DDTree of each ``--tree-budget`` beside it."""
 
 from typing import Optional
 
@@ -12,6 +13,7 @@ from .chips import find_chips
 from .presets import PRESETS
 from .render import console
 from .report import read_report, write_json
+from .schedule import Arm
 
 
 def _configs(model: Optional[str], draft: Optional[str], preset: Optional[str],
@@ -31,7 +33,23 @@ def _configs(model: Optional[str], draft: Optional[str], preset: Optional[str],
             (pair.target, pair.draft), None, None)
 
 
-def _print(out, rows: list[dict], blocks: list[int], tp, dp, names: tuple[str, str], context: int,
+def _measured_trees(measured: Optional[dict]) -> dict[tuple[int, int], float]:
+    """(budget, block) -> measured tau of each tree arm of a bench report."""
+    sides = measured["summary"]["dflash"].values() if measured else []
+    return {(s["tree_budget"], s["block_size"]): s["tau"] for s in sides if s.get("tree_budget") and s.get("tau")}
+
+
+def _tree_arms(budgets: list[int], block_sizes: Optional[list[int]], measured: Optional[dict],
+               trained: int) -> list[Arm]:
+    """Each ``--tree-budget`` at the first ``--block-size`` (else the report's tree
+    block, else the draft's trained size); without any, the report's tree arms."""
+    if not budgets:
+        return [Arm(b, t) for t, b in sorted(_measured_trees(measured))]
+    block = (block_sizes or [(measured or {}).get("config", {}).get("tree_block_size") or trained])[0]
+    return [Arm(block, t) for t in budgets]
+
+
+def _print(out, rows: list[dict], arms: list[Arm], tp, dp, names: tuple[str, str], context: int,
            neural: bool, preset: Optional[str], published: Optional[float]) -> None:
     from rich.table import Table
 
@@ -39,6 +57,7 @@ def _print(out, rows: list[dict], blocks: list[int], tp, dp, names: tuple[str, s
     for r in rows:
         if r["chip"] not in best or r["speedup"] > best[r["chip"]]["speedup"]:
             best[r["chip"]] = r
+    trees = [a for a in arms if a.tree_budget]
 
     gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
     out.print(f"target {names[0]}: {tp.params / 1e9:.2f} B parameters, {gb(tp.weight_bytes)} of weights; "
@@ -47,17 +66,28 @@ def _print(out, rows: list[dict], blocks: list[int], tp, dp, names: tuple[str, s
               f"(+ the target's LM head, {gb(tp.head_bytes)}, read every cycle)")
     t = Table(title=f"predicted decode speed at {context} tokens of context"
                     + (" (M5 at the claimed Neural Accelerator rate)" if neural else ""))
-    for col in ("chip", "GB/s", "TFLOPS", "block", "tau", "mlx-lm tok/s", "DFlash tok/s",
-                "speedup", "no-overlap", "verify"):
+    columns = ["chip", "GB/s", "TFLOPS", "arm", "tau", "mlx-lm tok/s", "DFlash tok/s", "speedup",
+               "no-overlap", "verify"] + (["vs chain", "tie tau"] if trees else [])
+    for col in columns:
         t.add_column(col, justify="left" if col == "chip" else "right")
     for r in rows:
-        mark = " *" if len(blocks) > 1 and best[r["chip"]] is r else ""
-        t.add_row(r["chip"], f"{r['bandwidth_gbs']:g}", f"{r['fp32_tflops']:.1f}", str(r["block_size"]),
-                  f"{r['tau']:.2f}", f"{r['ar_tps']:.1f}", f"{r['dflash_tps']:.1f}",
-                  f"{r['speedup']:.2f}x{mark}", f"{r['speedup_serial']:.2f}x", r["verify_bound"])
+        mark = " *" if len(arms) > 1 and best[r["chip"]] is r else ""
+        tree = [f"{r['vs_chain']:.2f}x", f"{r['break_even_tau']:.2f}"] if r["tree_budget"] else ["", ""]
+        t.add_row(r["chip"], f"{r['bandwidth_gbs']:g}", f"{r['fp32_tflops']:.1f}",
+                  Arm(r["block_size"], r["tree_budget"]).label, f"{r['tau']:.2f}", f"{r['ar_tps']:.1f}",
+                  f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x{mark}", f"{r['speedup_serial']:.2f}x",
+                  r["verify_bound"], *(tree if trees else []))
     out.print(t)
     out.print("speedup: roofline with memory and compute overlapped (optimistic); no-overlap: their sum "
-              "(pessimistic)." + (" *: the best block size for the chip." if len(blocks) > 1 else ""))
+              "(pessimistic)." + (" *: the best arm for the chip." if len(arms) > 1 else ""))
+    for arm in trees:
+        r = next(r for r in rows if (r["block_size"], r["tree_budget"]) == arm)
+        out.print(f"{arm.label}: a DDTree of {arm.tree_budget} nodes, verified in one target pass over "
+                  f"{arm.tree_budget + 1} positions after the draft's pass at b={arm.block_size}; "
+                  f"tau {r['tau']:.2f}, {r['tau_source']}.")
+    if trees:
+        out.print("vs chain: the tree's predicted tok/s over the chain's at its block; tie tau: the tree's "
+                  "tau at which it would match the chain on that chip.")
     if published is not None:
         out.print(f"published ({preset}, M5 Max, 1024 tokens, bstnxbt/dflash-mlx 0.1.4): {published:.2f}x")
 
@@ -65,19 +95,26 @@ def _print(out, rows: list[dict], blocks: list[int], tp, dp, names: tuple[str, s
 def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional[str],
                  tau: Optional[float], results: Optional[str], block_sizes: Optional[list[int]],
                  chips: Optional[list[str]], context: int, dtype: Optional[str], neural: bool,
-                 overhead_ms: float, json_out: Optional[str], out=None, err=None) -> dict:
+                 overhead_ms: float, json_out: Optional[str], tree_budgets: Optional[list[int]] = None,
+                 tree_tau: Optional[float] = None, out=None, err=None) -> dict:
     """Predict, print the table and return (and with ``json_out`` write) the report.
-    ``dtype`` None keeps the checkpoints' own."""
+    ``dtype`` None keeps the checkpoints' own. A tree arm's tau is ``tree_tau``,
+    else the one measured in ``results`` for that budget and block, else the
+    chain's at its block (no gain: the table then shows what the tree costs)."""
     out = out or console()
     err = err or console(stderr=True)
     validate.integer(context, "--context", low=0)
     validate.real(overhead_ms, "--overhead-ms", low=0.0)
     if tau is not None:
         validate.real(tau, "--tau", low=1.0)
+    if tree_tau is not None:
+        validate.real(tree_tau, "--tree-tau", low=1.0)
     if tau is None and results is None and preset is None:
         raise DFlashError("--predict needs tau: give --tau T, --results BENCH.json or --preset NAME")
     measured = read_report(results) if results else None
     target_cfg, draft_cfg, names, published, preset_tau = _configs(model, draft, preset, measured)
+    for budget in tree_budgets or []:
+        validate.tree_budget(budget, cm.context_length(target_cfg), "--tree-budget")
     tp, dp = cm.target_profile(target_cfg, dtype), cm.draft_profile(draft_cfg, dtype)
     trained = DraftConfig.from_dict(draft_cfg).block_size
 
@@ -100,17 +137,41 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
         raise DFlashError("--predict needs tau: give --tau T, --results BENCH.json or --preset NAME")
     if not 1.0 <= base[0] <= base[1]:
         raise DFlashError(f"tau must lie in [1, {base[1]}], got {base[0]:g}")
-    blocks = block_sizes or (sorted(sources) if sources else [base[1]])
+
+    def chain_tau(b: int) -> tuple[float, str]:
+        t0, b0, pa, how = sources.get(b, base)
+        if b == b0:
+            return t0, how
+        return min(cm.tau_at(b, t0, b0, pa), b), f"{how}, extrapolated from b={b0}"
+
+    trees = _tree_arms(tree_budgets, block_sizes, measured, trained)
+    if tree_tau is not None and not trees:
+        raise DFlashError("--tree-tau needs --tree-budget (or a --results report with tree arms)")
+    for arm in trees:
+        if tree_tau is not None and tree_tau > arm.block_size:
+            raise DFlashError(f"--tree-tau must be at most the tree's block size {arm.block_size} "
+                              f"(the tree is {arm.block_size - 1} deep), got {tree_tau:g}")
+    measured_trees = _measured_trees(measured)
+    arms = [Arm(b) for b in block_sizes or (sorted(sources) if sources else [base[1]])] + trees
     rows = []
     for chip in find_chips(chips):
-        for b in blocks:
-            t0, b0, pa, how = sources.get(b, base)
-            t = t0 if b == b0 else cm.tau_at(b, t0, b0, pa)
-            kind = how if b == b0 else f"{how}, extrapolated from b={b0}"
-            pred = cm.predict(tp, dp, chip, min(t, b), b, context, overhead_ms, neural)
-            rows.append({**pred.to_dict(), "tau_source": kind, "bandwidth_gbs": chip.bandwidth_gbs,
-                         "fp32_tflops": chip.fp32_tflops, "neural_tflops": chip.neural_tflops})
-    _print(out, rows, blocks, tp, dp, names, context, neural, preset, published)
+        for arm in arms:
+            b = arm.block_size
+            t, kind = chain_tau(b)
+            chain = cm.predict(tp, dp, chip, t, b, context, overhead_ms, neural)
+            if arm.tree_budget is None:
+                rows.append(_row(chain, chip, kind))
+                continue
+            if tree_tau is not None:
+                t, kind = tree_tau, "given (--tree-tau)"
+            elif (arm.tree_budget, b) in measured_trees:
+                t, kind = measured_trees[arm.tree_budget, b], f"measured ({results})"
+            else:
+                kind = f"the chain's at b={b} ({kind}): no tree gain assumed"
+            pred = cm.predict(tp, dp, chip, t, b, context, overhead_ms, neural, tree_budget=arm.tree_budget)
+            rows.append(_row(pred, chip, kind, vs_chain=pred.dflash_tps / chain.dflash_tps,
+                             break_even_tau=pred.tau * chain.dflash_tps / pred.dflash_tps))
+    _print(out, rows, arms, tp, dp, names, context, neural, preset, published)
     report = {"schema": "dflash-mlx-predict", "schema_version": 1,
               "target": {"name": names[0], "params": tp.params, "weight_bytes": tp.weight_bytes},
               "draft": {"name": names[1], "params": dp.params, "weight_bytes": dp.weight_bytes},
@@ -123,3 +184,9 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
         write_json(report, json_out)
         err.print(f"wrote {json_out}")
     return report
+
+
+def _row(pred: cm.Prediction, chip, kind: str, **tree) -> dict:
+    """A prediction as the report's row: the figures, where tau came from, the chip."""
+    return {**pred.to_dict(), "tau_source": kind, "bandwidth_gbs": chip.bandwidth_gbs,
+            "fp32_tflops": chip.fp32_tflops, "neural_tflops": chip.neural_tflops, **tree}

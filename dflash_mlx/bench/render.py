@@ -2,7 +2,9 @@
 
 from pathlib import Path
 
+from .. import validate
 from ..errors import DFlashError
+from .schedule import Arm
 
 
 def console(stderr: bool = False):
@@ -17,8 +19,16 @@ def _f(x, fmt="{:.1f}", none="-") -> str:
     return none if x is None else fmt.format(x)
 
 
+def labelled(report: dict) -> list[tuple[str, dict]]:
+    """(label, summary) of each DFlash arm: ``b=16``, ``B=32 b=16`` (a tree);
+    reports from before tree arms name each side by its block size alone."""
+    return [(Arm(side.get("block_size", key), side.get("tree_budget")).label, side)
+            for key, side in report["summary"]["dflash"].items()]
+
+
 def render(report: dict, console) -> None:
-    """The rich tables: one row per arm, speedup by category, acceptance per position, divergences."""
+    """The rich tables: the baseline and one row per arm (chains and trees),
+    speedup by category, acceptance per position, divergences."""
     from rich.table import Table
 
     cfg, summ = report["config"], report["summary"]
@@ -32,12 +42,13 @@ def render(report: dict, console) -> None:
     t.add_row("mlx-lm (baseline)", _f(med(base["prefill_tps"])), _f(med(base["decode_tps"])), "1.00x", "",
               "", "", "", _f(base["peak_memory_gb"] and base["peak_memory_gb"]["max"], "{:.2f}"),
               _f(base["wall_s"]), "")
-    for b, side in summ["dflash"].items():
+    sides = labelled(report)
+    for b, side in sides:
         sp = side["speedup"]
         spread = (f"{sp['median']:.2f}x \\[{sp['q1']:.2f}-{sp['q3']:.2f}] ({sp['min']:.2f}-{sp['max']:.2f})"
                   if sp else "-")
         ident = f"{side['identical']}/{side['compared']}" if side["identical"] is not None else "n/a"
-        t.add_row(f"DFlash b={b}", _f(med(side["prefill_tps"])), _f(med(side["decode_tps"])), spread,
+        t.add_row(f"{'DDTree' if side.get('tree_budget') else 'DFlash'} {b}", _f(med(side["prefill_tps"])), _f(med(side["decode_tps"])), spread,
                   _f(side["speedup_total"], "{:.2f}x"), _f(side["tau"], "{:.2f}"),
                   _f(side["tokens_per_cycle"], "{:.2f}"), _f(side["acceptance_rate"], "{:.0%}"),
                   _f(side["peak_memory_gb"] and side["peak_memory_gb"]["max"], "{:.2f}"),
@@ -52,48 +63,48 @@ def render(report: dict, console) -> None:
     if cats:
         t = Table(title="median speedup (tau) by prompt category")
         t.add_column("category")
-        for b in summ["dflash"]:
-            t.add_column(f"b={b}", justify="right")
+        for b, _ in sides:
+            t.add_column(b, justify="right")
         for c in cats:
             cells = []
-            for side in summ["dflash"].values():
+            for _, side in sides:
                 cat = side["by_category"].get(c)
                 cells.append(f"{cat['speedup']['median']:.2f}x ({cat['tau']:.2f})"
                              if cat and cat["speedup"] and cat["tau"] else "-")
             t.add_row(c, *cells)
         console.print(t)
 
-    t = Table(title="acceptance: share of cycles whose draft position i was accepted, P(a >= i)")
-    t.add_column("block")
+    t = Table(title="acceptance: share of cycles whose draft position (tree depth) i was accepted, P(a >= i)")
+    t.add_column("arm")
     width = max(len(side["accepted_histogram"]) for side in summ["dflash"].values())
     for i in range(1, width):
         t.add_column(str(i), justify="right")
-    for b, side in summ["dflash"].items():
+    for b, side in sides:
         pa = side["position_acceptance"]
-        t.add_row(f"b={b}", *[f"{x:.2f}" for x in pa], *[""] * (width - 1 - len(pa)))
+        t.add_row(b, *[f"{x:.2f}" for x in pa], *[""] * (width - 1 - len(pa)))
     console.print(t)
-    for b, side in summ["dflash"].items():
+    for b, side in sides:
         hist = side["accepted_histogram"]
-        console.print(f"accepted drafts per cycle, b={b} (a = 0..{len(hist) - 1}): {hist}")
-        if b == "auto":
+        console.print(f"accepted drafts per cycle, {b} (a = 0..{len(hist) - 1}): {hist}")
+        if b == Arm(validate.AUTO).label:
             blocks = " ".join(f"{k}x{n}" for k, n in side["block_histogram"].items())
             console.print(f"blocks used per cycle, b=auto (block x cycles): {blocks}")
 
-    for b, side in summ["dflash"].items():
+    for b, side in sides:
         for d in side["divergences"][:10]:
-            console.print(f"[red]b={b}: {d['prompt_id']} repeat {d['repeat']} diverges at token "
+            console.print(f"[red]{b}: {d['prompt_id']} repeat {d['repeat']} diverges at token "
                           f"{d['index']}: baseline {d['baseline']} vs DFlash {d['dflash']}[/red]")
         extra = len(side["divergences"]) - 10
         if extra > 0:
-            console.print(f"[red]b={b}: ... and {extra} more divergences (see the JSON)[/red]")
+            console.print(f"[red]{b}: ... and {extra} more divergences (see the JSON)[/red]")
     m = report["machine"]
     blas = f", BLAS: {m['blas']}" if m.get("blas") else ""
     console.print(f"machine: {m['platform']}, MLX {m['mlx']} ({m['backend']}){blas}")
 
 
 def plot(report: dict, path: str | Path) -> None:
-    """PNG: median speedup per category and block size (whiskers: min-max), and
-    the acceptance histogram of each block size."""
+    """PNG: median speedup per category and arm (whiskers: min-max), and the
+    acceptance histogram of each arm."""
     try:
         import matplotlib
 
@@ -101,11 +112,11 @@ def plot(report: dict, path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
-    summ = report["summary"]["dflash"]
-    cats = sorted({c for side in summ.values() for c in side["by_category"]})
+    summ = labelled(report)
+    cats = sorted({c for _, side in summ for c in side["by_category"]})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(len(summ), 1)
-    for j, (b, side) in enumerate(summ.items()):
+    for j, (b, side) in enumerate(summ):
         med, lo, hi = [], [], []
         for c in cats:
             s = side["by_category"].get(c, {}).get("speedup")
@@ -113,17 +124,17 @@ def plot(report: dict, path: str | Path) -> None:
             lo.append(s["median"] - s["min"] if s else 0)
             hi.append(s["max"] - s["median"] if s else 0)
         xs = [i + (j - (len(summ) - 1) / 2) * width for i in range(len(cats))]
-        ax1.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=f"b={b}")
+        ax1.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=b)
         hist = side["accepted_histogram"]
         total = sum(hist) or 1
         ax2.bar([a + (j - (len(summ) - 1) / 2) * width for a in range(len(hist))],
-                [h / total for h in hist], width, label=f"b={b} (tau {side['tau'] or 0:.2f})")
+                [h / total for h in hist], width, label=f"{b} (tau {side['tau'] or 0:.2f})")
     ax1.axhline(1.0, color="gray", lw=1, ls="--")
     ax1.set_xticks(range(len(cats)), cats)
     ax1.set_ylabel("decode speedup over mlx-lm (median, min-max)")
     ax1.set_title("speedup by prompt category")
     ax1.legend()
-    ax2.set_xlabel("draft tokens accepted per cycle")
+    ax2.set_xlabel("draft tokens accepted per cycle (a tree: its path's depth)")
     ax2.set_ylabel("share of cycles")
     ax2.set_title("acceptance histogram")
     ax2.legend()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import DFlashError
-from .schedule import BASELINE, DFLASH
+from .schedule import BASELINE, DFLASH, arms
 
 SCHEMA = "dflash-mlx-bench"
 SCHEMA_VERSION = 1
@@ -85,7 +85,9 @@ REQUIRED = {
 
 
 def validate_report(report: dict) -> None:
-    """Raise DFlashError if ``report`` is not a bench report of this schema."""
+    """Raise DFlashError if ``report`` is not a bench report of this schema.
+    Tree arms (config ``tree_budgets`` at ``tree_block_size``) are optional:
+    reports written before them validate as they are."""
 
     def need(obj: dict, kind: str, where: str) -> None:
         if not isinstance(obj, dict):
@@ -105,10 +107,16 @@ def validate_report(report: dict) -> None:
                           f"expected {SCHEMA} v{SCHEMA_VERSION}")
     need(report["config"], "config", "config")
     need(report["machine"], "machine", "machine")
+    cfg = report["config"]
+    budgets, tree_block = cfg.get("tree_budgets") or [], cfg.get("tree_block_size")
+    if not isinstance(budgets, list) or (budgets and not (_counts(budgets, 1) and _counts([tree_block], 2))):
+        raise DFlashError("config: tree_budgets must be integers >= 1 and tree_block_size an integer >= 2")
     for i, run in enumerate(report["runs"]):
         need(run, "run", f"runs[{i}]")
         if run["arm"] == DFLASH:
             need(run, "dflash_run", f"runs[{i}]")
+            if run.get("tree_budget") is not None and not _counts([run["tree_budget"]], 1):
+                raise DFlashError(f"runs[{i}]: tree_budget must be an integer >= 1")
             if len(run["accepted"]) != run["cycles"]:
                 raise DFlashError(f"runs[{i}]: {run['cycles']} cycles but {len(run['accepted'])} accepted counts")
         elif run["arm"] != BASELINE:
@@ -116,12 +124,17 @@ def validate_report(report: dict) -> None:
     for i, pair in enumerate(report["pairs"]):
         need(pair, "pair", f"pairs[{i}]")
     need(report["summary"].get("baseline"), "side", "summary.baseline")
-    for b in report["config"]["block_sizes"]:
-        side = report["summary"].get("dflash", {}).get(str(b))
-        need(side, "side", f"summary.dflash.{b}")
-        need(side, "dflash_side", f"summary.dflash.{b}")
-        if b != "auto" and len(side["accepted_histogram"]) != b:
-            raise DFlashError(f"summary.dflash.{b}: histogram has {len(side['accepted_histogram'])} bins")
+    for arm in arms(cfg["block_sizes"], budgets, tree_block):
+        side = report["summary"].get("dflash", {}).get(arm.key)
+        need(side, "side", f"summary.dflash.{arm.key}")
+        need(side, "dflash_side", f"summary.dflash.{arm.key}")
+        if arm.block_size != "auto" and len(side["accepted_histogram"]) != arm.block_size:
+            raise DFlashError(f"summary.dflash.{arm.key}: histogram has {len(side['accepted_histogram'])} bins")
+
+
+def _counts(values: list, low: int) -> bool:
+    """Every value an integer (not a bool) of at least ``low``."""
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in values)
 
 
 def _jsonable(obj):

@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Optional
 from .. import validate
 from ..chat import encode, template_ids
 from ..errors import DFlashError
-from .schedule import BASELINE, DFLASH, Step, schedule
+from .schedule import BASELINE, DFLASH, Arm, Step, schedule
 from .summary import make_pairs, summarize
 
 
@@ -81,15 +81,16 @@ def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: di
 
 
 def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_size: int,
-               sampling: dict) -> dict:
-    """DFlash ``stream_generate``; adds the per-cycle accepted draft counts."""
+               sampling: dict, tree_budget: Optional[int] = None) -> dict:
+    """DFlash ``stream_generate`` (a DDTree of ``tree_budget`` nodes per cycle
+    if given, else the chain); adds the per-cycle accepted draft counts."""
     from ..generate import stream_generate
 
     _fresh()
     responses, first, total = _timed(stream_generate(
         model, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens,
         temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
-        min_p=sampling["min_p"], seed=sampling.get("seed")))
+        min_p=sampling["min_p"], seed=sampling.get("seed"), tree_budget=tree_budget))
     tokens = [t for r in responses for t in r.tokens]
     last = responses[-1] if responses else None
     rec = _record(len(ids), tokens, last.finish_reason if last else None, first, total, last)
@@ -99,12 +100,13 @@ def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_s
 
 
 def run_bench(
-    model, draft, tokenizer, prompts: list[dict], *, block_sizes: list[int], max_tokens: int,
+    model, draft, tokenizer, prompts: list[dict], *, arms: list[Arm], max_tokens: int,
     repeat: int = 1, sampling: Optional[dict] = None, chat_template: bool = True,
     enable_thinking: Optional[bool] = None, warmup_tokens: int = 16,
     on_step: Optional[Callable[[str], None]] = None, runners: Optional[dict] = None,
 ) -> dict:
-    """Run the schedule; returns prompts, runs, pairs and the summary.
+    """Run the schedule over the DFlash ``arms``; returns prompts, runs, pairs
+    and the summary.
 
     Prompts go through the chat template (``enable_thinking`` as in
     ``dflash_mlx.chat.apply_template``) unless ``chat_template`` is False.
@@ -116,13 +118,15 @@ def run_bench(
     runners = {BASELINE: run_baseline, DFLASH: run_dflash, **(runners or {})}
     if not prompts:
         raise DFlashError("no prompts to run")
-    if not block_sizes:
-        raise DFlashError("no block sizes to run")
+    if not arms:
+        raise DFlashError("no arms to run")
     validate.options({"max_tokens": max_tokens})
     validate.integer(repeat, "repeat", low=1)
-    for b in block_sizes:
-        if b != validate.AUTO:
-            validate.integer(b, "block size", low=2)
+    for arm in arms:
+        if arm.block_size != validate.AUTO:
+            validate.integer(arm.block_size, "block size", low=2)
+        if arm.tree_budget is not None:
+            validate.integer(arm.tree_budget, "tree budget", low=1)
     encoded = [template_ids(tokenizer, p["prompt"], enable_thinking=enable_thinking) if chat_template
                else encode(tokenizer, p["prompt"]) for p in prompts]
 
@@ -130,26 +134,28 @@ def run_bench(
         ids = encoded[step.prompt]
         if step.arm == BASELINE:
             return runners[BASELINE](model, tokenizer, ids, tokens, sampling)
-        return runners[DFLASH](model, draft, tokenizer, ids, tokens, step.block_size, sampling)
+        return runners[DFLASH](model, draft, tokenizer, ids, tokens, step.block_size, sampling,
+                               tree_budget=step.tree_budget)
 
     if warmup_tokens > 0:  # untimed: weights paged in, kernels and buffers allocated
-        for step in schedule(1, 1, block_sizes):
+        for step in schedule(1, 1, arms):
             if on_step:
                 on_step(f"warm-up {step.label}")
             call(step, min(warmup_tokens, max_tokens))
     runs = []
-    for i, step in enumerate(schedule(len(prompts), repeat, block_sizes)):
+    for i, step in enumerate(schedule(len(prompts), repeat, arms)):
         p = prompts[step.prompt]
         if on_step:
             on_step(f"{p['id']} r{step.repeat} {step.label}")
         rec = call(step, max_tokens)
         runs.append({"step": i, "prompt_id": p["id"], "category": p["category"],
-                     "repeat": step.repeat, "arm": step.arm, "block_size": step.block_size, **rec})
+                     "repeat": step.repeat, "arm": step.arm, "block_size": step.block_size,
+                     "tree_budget": step.tree_budget, **rec})
     pairs = make_pairs(runs, compare=sampling["temperature"] == 0)
     return {
         "prompts": [{**p, "prompt_tokens": len(ids)} for p, ids in zip(prompts, encoded)],
         "runs": runs,
         "pairs": pairs,
-        "summary": summarize(runs, pairs, block_sizes),
+        "summary": summarize(runs, pairs, arms),
     }
 

@@ -1,36 +1,66 @@
-"""The order of a benchmark's runs: every prompt and repeat runs the baseline
-and DFlash at each block size back to back, in an order that alternates."""
+"""The arms of a benchmark and the order of its runs: every prompt and repeat
+runs the baseline and each DFlash arm back to back, in an order that alternates."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 BASELINE = "baseline"
 DFLASH = "dflash"
 
 
+class Arm(NamedTuple):
+    """A DFlash arm: its block size and, for a DDTree, the tree's node budget
+    (None: the chain of the block)."""
+
+    block_size: Union[int, str]
+    tree_budget: Optional[int] = None
+
+    @property
+    def key(self) -> str:
+        """Its name in the report: ``16`` or ``auto`` (a chain), ``tree32@16`` (a tree)."""
+        return str(self.block_size) if self.tree_budget is None else f"tree{self.tree_budget}@{self.block_size}"
+
+    @property
+    def label(self) -> str:
+        """Its name in tables: ``b=16``, ``B=32 b=16``."""
+        chain = f"b={self.block_size}"
+        return chain if self.tree_budget is None else f"B={self.tree_budget} {chain}"
+
+
+def arms(block_sizes: list, tree_budgets: Optional[list[int]] = None,
+         tree_block: Optional[int] = None) -> list[Arm]:
+    """The chain at each block size, then a tree of each budget at ``tree_block``."""
+    return [Arm(b) for b in block_sizes] + [Arm(tree_block, t) for t in tree_budgets or []]
+
+
 @dataclass(frozen=True)
 class Step:
-    """One timed run: a prompt, a repeat, and an arm (baseline or DFlash at a block size)."""
+    """One timed run: a prompt, a repeat, and an arm (the baseline, or DFlash's
+    chain or tree at a block size)."""
 
     prompt: int
     repeat: int
     arm: str
     block_size: Optional[int] = None
+    tree_budget: Optional[int] = None
 
     @property
     def label(self) -> str:
-        return BASELINE if self.arm == BASELINE else f"{DFLASH} b={self.block_size}"
+        if self.arm == BASELINE:
+            return BASELINE
+        name = DFLASH if self.tree_budget is None else "ddtree"
+        return f"{name} {Arm(self.block_size, self.tree_budget).label}"
 
 
-def schedule(n_prompts: int, repeats: int, block_sizes: list[int]) -> list[Step]:
-    """Every (repeat, prompt) unit runs the baseline and each block size back to
+def schedule(n_prompts: int, repeats: int, dflash_arms: list[Arm]) -> list[Step]:
+    """Every (repeat, prompt) unit runs the baseline and each DFlash arm back to
     back; consecutive units reverse the order, so neither side always goes first.
     Repeats are the outer loop, so a repeat sees every prompt before the next starts."""
     steps = []
     unit = 0
     for r in range(repeats):
         for p in range(n_prompts):
-            arms = [Step(p, r, BASELINE)] + [Step(p, r, DFLASH, b) for b in block_sizes]
-            steps += arms if unit % 2 == 0 else arms[::-1]
+            units = [Step(p, r, BASELINE)] + [Step(p, r, DFLASH, *a) for a in dflash_arms]
+            steps += units if unit % 2 == 0 else units[::-1]
             unit += 1
     return steps

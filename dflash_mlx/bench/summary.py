@@ -1,11 +1,11 @@
-"""Statistics of a benchmark from its raw runs: pairs of a DFlash run and the
-baseline run next to it, speedup, acceptance and greedy identity."""
+"""Statistics of a benchmark from its raw runs: pairs of a DFlash run (chain
+or tree) and the baseline run next to it, speedup, acceptance and greedy identity."""
 
 import math
 import statistics
 from typing import Iterable, Optional
 
-from .schedule import BASELINE, DFLASH
+from .schedule import BASELINE, DFLASH, Arm
 
 
 def compare_tokens(baseline: list[int], dflash: list[int]) -> dict:
@@ -35,13 +35,16 @@ def stats(values: Iterable[Optional[float]]) -> Optional[dict]:
             "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3}
 
 
-def acceptance(runs: list[dict], block_size) -> dict:
+def acceptance(runs: list[dict], block_size, tree_budget: Optional[int] = None) -> dict:
     """tau, per-position acceptance and tokens per cycle over DFlash runs of one
-    block size (``"auto"``: the blocks each cycle used, ``blocks`` per run).
+    arm (``"auto"``: the blocks each cycle used, ``blocks`` per run).
 
-    tau is the mean of accepted + 1 over cycles; ``accepted_histogram[a]`` counts
-    cycles with a drafts accepted (0..b-1); ``position_acceptance[i-1]`` is the
-    share of cycles whose draft position i was accepted, P(a >= i); tokens per
+    tau is the mean of accepted + 1 over cycles (a tree's accepted is the depth
+    of its accepted path); ``accepted_histogram[a]`` counts cycles with a drafts
+    accepted (0..b-1); the acceptance rate is accepted drafts over drafts
+    verified (b-1 per chain cycle, the ``tree_budget`` nodes per tree cycle);
+    ``position_acceptance[i-1]`` is the share of cycles whose draft position
+    (tree depth) i was accepted, P(a >= i); tokens per
     cycle is the decode tokens (after the prefill token) over cycles, i.e. what
     was emitted once the end (EOS or max_tokens) cut the last cycle short.
     """
@@ -49,7 +52,7 @@ def acceptance(runs: list[dict], block_size) -> dict:
     cycles = len(accepted)
     blocks = [b for r in runs for b in (r.get("blocks") or [r["block_size"]] * r["cycles"])]
     width = max(blocks, default=2) if block_size == "auto" else block_size
-    drafted = sum(b - 1 for b in blocks)
+    drafted = sum(tree_budget or b - 1 for b in blocks)
     hist = [0] * width
     for a in accepted:
         hist[a] += 1
@@ -67,7 +70,7 @@ def acceptance(runs: list[dict], block_size) -> dict:
 
 
 def make_pairs(runs: list[dict], compare: bool) -> list[dict]:
-    """Each DFlash run with the baseline run of the same prompt and repeat."""
+    """Each DFlash run (chain or tree) with the baseline run of the same prompt and repeat."""
     base = {(r["prompt_id"], r["repeat"]): r for r in runs if r["arm"] == BASELINE}
     pairs = []
     for r in runs:
@@ -78,7 +81,8 @@ def make_pairs(runs: list[dict], compare: bool) -> list[dict]:
             continue
         pair = {
             "prompt_id": r["prompt_id"], "category": r["category"], "repeat": r["repeat"],
-            "block_size": r["block_size"], "baseline_step": b["step"], "dflash_step": r["step"],
+            "block_size": r["block_size"], "tree_budget": r.get("tree_budget"),
+            "baseline_step": b["step"], "dflash_step": r["step"],
             "speedup": (r["decode_tps"] / b["decode_tps"]
                         if r["decode_tps"] and b["decode_tps"] else None),
             "wall_speedup": b["wall_s"] / r["wall_s"] if r["wall_s"] > 0 else None,
@@ -105,15 +109,17 @@ def _side(runs: list[dict]) -> dict:
     }
 
 
-def summarize(runs: list[dict], pairs: list[dict], block_sizes: list[int]) -> dict:
-    """The summary block of the report, from the raw runs and pairs alone."""
+def summarize(runs: list[dict], pairs: list[dict], arms: list[Arm]) -> dict:
+    """The summary block of the report, from the raw runs and pairs alone: the
+    baseline, and each DFlash arm under its ``Arm.key``."""
     baseline = [r for r in runs if r["arm"] == BASELINE]
     out = {"baseline": _side(baseline), "dflash": {}}
-    for b in block_sizes:
-        mine = [r for r in runs if r["arm"] == DFLASH and r["block_size"] == b]
-        ps = [p for p in pairs if p["block_size"] == b]
-        side = _side(mine)
-        side.update(acceptance(mine, b))
+    for arm in arms:
+        b, tree = arm
+        mine = [r for r in runs if r["arm"] == DFLASH and Arm(r["block_size"], r.get("tree_budget")) == arm]
+        ps = [p for p in pairs if Arm(p["block_size"], p.get("tree_budget")) == arm]
+        side = {"block_size": b, "tree_budget": tree, **_side(mine)}
+        side.update(acceptance(mine, b, tree))
         side["speedup"] = stats(p["speedup"] for p in ps)
         side["wall_speedup"] = stats(p["wall_speedup"] for p in ps)
         # total decode tokens over total decode time, each side: the aggregate ratio
@@ -124,7 +130,7 @@ def summarize(runs: list[dict], pairs: list[dict], block_sizes: list[int]) -> di
         categories = sorted({p["category"] for p in ps})
         side["by_category"] = {
             c: {"speedup": stats(p["speedup"] for p in ps if p["category"] == c),
-                "tau": acceptance([r for r in mine if r["category"] == c], b)["tau"]}
+                "tau": acceptance([r for r in mine if r["category"] == c], b, tree)["tau"]}
             for c in categories}
         compared = [p for p in ps if p["identical"] is not None]
         side["compared"] = len(compared)
@@ -132,6 +138,6 @@ def summarize(runs: list[dict], pairs: list[dict], block_sizes: list[int]) -> di
         side["divergences"] = [
             {"prompt_id": p["prompt_id"], "repeat": p["repeat"], **p["first_divergence"]}
             for p in compared if not p["identical"]]
-        out["dflash"][str(b)] = side
+        out["dflash"][arm.key] = side
     return out
 
