@@ -60,7 +60,7 @@ class Target:
         tied = getattr(text.args, "tie_word_embeddings", False)
         self.lm_head = self.inner.embed_tokens.as_linear if tied else text.lm_head
         self._head_module = self.inner.embed_tokens if tied else text.lm_head
-        self._verify_matmuls = VerificationMatmuls(model)
+        self.verify_matmuls = VerificationMatmuls(model)  # with target.verify_matmuls(): one verify pass
 
     @property
     def num_layers(self) -> int:
@@ -105,7 +105,7 @@ class Target:
                 masks[kind.name] = kind.mask(h, c)
         wanted = {i: None for i in layer_ids}
         records = [None] * self.num_layers
-        with self._verify_matmuls() if record else contextlib.nullcontext():
+        with self.verify_matmuls() if record else contextlib.nullcontext():
             for i, (layer, kind, c) in enumerate(zip(self.layers, self.kinds, cache)):
                 h, records[i] = kind(layer, h, masks[kind.name], c, record)
                 if i in wanted:

@@ -4,7 +4,8 @@ Beside the chain (``decoder.SpeculativeDecoder``, whose prefill and bookkeeping
 it reuses): the proposer's b-1 per-position distributions become a tree of up
 to ``budget`` nodes (``tree.py``); the root y and the nodes run through the
 target as one flat sequence (``tree_forward``), each attention layer with the
-tree's mask and per-node RoPE positions (``tree_attention.py``); from the root
+tree's mask and per-node RoPE positions (``tree_attention.py``), a quantized
+target's matmuls through the verify kernel as in the chain; from the root
 the walk follows the target's greedy choice while it is a child; the path plus
 the target's choice after it are committed, the attention caches compacted to
 the path, GatedDeltaNet layers set to the path's end (``tree_gated_delta.py``),
@@ -64,7 +65,7 @@ def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) 
     plan = tree_gated_delta.plan(tree, recurrent[0].linear_attn.conv_kernel_size) if recurrent else None
     wanted, records = {}, [None] * target.num_layers
     h = target.embed(mx.array(tree.tokens)[None])
-    with positioned_rope(attention, offset + mx.array(tree.depths)):
+    with positioned_rope(attention, offset + mx.array(tree.depths)), target.verify_matmuls():
         for i, (layer, kind, c) in enumerate(zip(target.layers, target.kinds, cache)):
             if isinstance(kind, Attention):
                 h, _ = kind(layer, h, masks[kind.name], c, False)

@@ -2,6 +2,8 @@
 and GatedDeltaNet hybrids), walks through non-first children to every depth,
 and caches after each commit close to a fresh feed of the committed tokens."""
 
+import shutil
+
 import mlx.core as mx
 import pytest
 import test_loop as chain
@@ -235,3 +237,33 @@ def test_a_quantized_kv_cache_is_compacted_to_the_path(tmp_path):
             out += cycle.tokens
             assert out == continuation[: len(out)]
             assert all(c.offset == len(prompt) + len(out) - 1 for c in decoder.cache)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
+def test_a_quantized_targets_tree_pass_runs_its_matmuls_through_the_verify_kernel():
+    """4-bit qwen3_5 target, kernels emulated: every cycle's tree pass runs the
+    layers' quantized matmuls through qmm_verify (not only the LM head), and the
+    output is mlx-lm's greedy output through non-first children."""
+    import mlx.nn as nn
+    from test_kernels_gdn import Counting, _qwen3_5
+
+    from dflash_mlx import kernels
+
+    model = _qwen3_5(quantized=True)
+    target = Target(model)
+    quantized_linears = sum(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    prompt = [11, 200, 3, 47, 5]
+    continuation = chain.greedy_reference(model, prompt, 2 * 8 + 2)
+    counting = Counting()
+    with kernels.use_backend(counting.backend):
+        decoder = TreeDecoder(target, TreeOracle(len(prompt), continuation, 3, {0, 2}, target.vocab_size),
+                              [0], 8, 16, prefill_step_size=64)
+        out = [decoder.prefill(mx.array(prompt))]
+        before = counting.launches.get("qmm_verify", 0)
+        for _ in range(2):
+            cycle = decoder.cycle()
+            assert cycle.accepted == 3
+            out += cycle.tokens
+    assert out == continuation[: len(out)]
+    # per cycle: every swapped layer of the pass plus the LM head (the head alone would be 1)
+    assert counting.launches["qmm_verify"] - before >= 2 * (quantized_linears + 1)
