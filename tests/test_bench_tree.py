@@ -16,7 +16,7 @@ from dflash_mlx.bench import cost_model as cm
 from dflash_mlx.bench import report, runs, summary
 from dflash_mlx.bench.chips import Chip
 from dflash_mlx.bench.command import parse_tree_budgets
-from dflash_mlx.bench.render import render
+from dflash_mlx.bench.render import plot, render
 from dflash_mlx.bench.schedule import Arm, arms
 from dflash_mlx.cli import app
 from dflash_mlx.demo import demo_pair
@@ -97,6 +97,13 @@ def test_tree_arms_run_beside_the_chain_identical_at_greedy(tree_report, tmp_pat
     text = _rendered(again)
     assert "DFlash b=4" in text and "DDTree B=3 b=4" in text and "DDTree B=8 b=4" in text
     assert "accepted drafts per cycle, B=8 b=4" in text
+
+
+def test_the_chart_draws_the_tree_arms(tree_report, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "r.png"
+    plot(tree_report, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_diverging_tree_arm_is_reported(target_dirs, draft_dir):

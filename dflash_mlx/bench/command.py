@@ -59,12 +59,11 @@ def parse_tree_budgets(values: Optional[list[str]]) -> list[int]:
 
 
 def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
-         block_size: Optional[list[str]], temp: float, top_p: float, top_k: int, min_p: float,
-         seed: int, tree_budget: Optional[list[str]], repeat: int, limit: Optional[int],
-         category: Optional[list[str]], dtype: str,
-         no_chat_template: bool, thinking: Optional[bool], warmup: bool, json_out: Optional[str],
-         plot_out: Optional[str], predict: bool, tau: Optional[float], tree_tau: Optional[float],
-         results: Optional[str],
+         block_size: Optional[list[str]], tree_budget: Optional[list[str]], temp: float,
+         top_p: float, top_k: int, min_p: float, seed: int, repeat: int, limit: Optional[int],
+         category: Optional[list[str]], dtype: str, no_chat_template: bool,
+         thinking: Optional[bool], warmup: bool, json_out: Optional[str], plot_out: Optional[str],
+         predict: bool, tau: Optional[float], tree_tau: Optional[float], results: Optional[str],
          preset: Optional[str], chip: Optional[list[str]], context: int,
          neural_accelerators: bool, overhead_ms: float, calibrate: bool, synthetic: bool) -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed."""
@@ -92,8 +91,7 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
             raise DFlashError("--predict prices fixed block sizes; leave 'auto' out of --block-size")
         main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
                      block_sizes=sizes, tree_budgets=budgets, tree_tau=tree_tau, chips=chip,
-                     context=context,
-                     dtype=None if dtype in ("auto", "keep") else dtype,
+                     context=context, dtype=None if dtype in ("auto", "keep") else dtype,
                      neural=neural_accelerators, overhead_ms=overhead_ms, json_out=json_out)
         return
     if tau is not None or tree_tau is not None or results or preset:
@@ -110,17 +108,16 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
         check_output_file(plot_out, "--plot")
     main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, block_sizes=sizes,
-             tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit, categories=category, dtype=dtype,
-             chat_template=not no_chat_template, enable_thinking=thinking, warmup=warmup,
-             json_out=json_out, plot_out=plot_out)
+             tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit,
+             categories=category, dtype=dtype, chat_template=not no_chat_template,
+             enable_thinking=thinking, warmup=warmup, json_out=json_out, plot_out=plot_out)
 
 
 def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
              block_sizes: Optional[list[int]], tree_budgets: list[int], sampling: dict,
-             repeat: int, limit: Optional[int],
-             categories: Optional[list[str]], dtype: str, chat_template: bool,
-             enable_thinking: Optional[bool], warmup: bool, json_out: Optional[str],
-             plot_out: Optional[str], err=None, out=None) -> dict:
+             repeat: int, limit: Optional[int], categories: Optional[list[str]], dtype: str,
+             chat_template: bool, enable_thinking: Optional[bool], warmup: bool,
+             json_out: Optional[str], plot_out: Optional[str], err=None, out=None) -> dict:
     """The measured benchmark: prompts and pair resolved, block sizes checked
     against the draft's config and tree budgets against the target's context
     length before the models load; the tables, then the JSON report and the
@@ -136,8 +133,9 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     trained = DraftConfig.from_dict(read_config(pair.draft, "draft")).block_size
     warn = lambda message: err.print(f"warning: {message}", markup=False, highlight=False)  # noqa: E731
     block_sizes = [validate.block_size(b, trained, "--block-size", warn) for b in block_sizes or [validate.AUTO]]
-    tree_block = next((b for b in block_sizes if b != validate.AUTO), trained) if tree_budgets else None
+    tree_block = None
     if tree_budgets:
+        tree_block = next((b for b in block_sizes if b != validate.AUTO), trained)
         context = context_length(read_config(pair.target, "target"))
         for budget in tree_budgets:
             validate.tree_budget(budget, context, "--tree-budget")
@@ -169,10 +167,10 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
         progress.advance(task)
     config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,
               "block_sizes": block_sizes, "tree_budgets": tree_budgets, "tree_block_size": tree_block,
-              "repeat": repeat, **sampling,
-              "dtype": "checkpoint" if dtype == "keep" else dtype, "chat_template": chat_template,
-              "enable_thinking": thinking, "prompts": prompts, "categories": categories,
-              "limit": limit, "warmup": warmup, "draft_trained_block_size": trained}
+              "repeat": repeat, **sampling, "dtype": "checkpoint" if dtype == "keep" else dtype,
+              "chat_template": chat_template, "enable_thinking": thinking, "prompts": prompts,
+              "categories": categories, "limit": limit, "warmup": warmup,
+              "draft_trained_block_size": trained}
     report = make_report(result, config, machine_info())
     validate_report(report)
     render(report, out)

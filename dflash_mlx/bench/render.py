@@ -48,7 +48,8 @@ def render(report: dict, console) -> None:
         spread = (f"{sp['median']:.2f}x \\[{sp['q1']:.2f}-{sp['q3']:.2f}] ({sp['min']:.2f}-{sp['max']:.2f})"
                   if sp else "-")
         ident = f"{side['identical']}/{side['compared']}" if side["identical"] is not None else "n/a"
-        t.add_row(f"{'DDTree' if side.get('tree_budget') else 'DFlash'} {b}", _f(med(side["prefill_tps"])), _f(med(side["decode_tps"])), spread,
+        name = "DDTree" if side.get("tree_budget") else "DFlash"
+        t.add_row(f"{name} {b}", _f(med(side["prefill_tps"])), _f(med(side["decode_tps"])), spread,
                   _f(side["speedup_total"], "{:.2f}x"), _f(side["tau"], "{:.2f}"),
                   _f(side["tokens_per_cycle"], "{:.2f}"), _f(side["acceptance_rate"], "{:.0%}"),
                   _f(side["peak_memory_gb"] and side["peak_memory_gb"]["max"], "{:.2f}"),
