@@ -12,10 +12,11 @@ a pessimistic bound, their sum (``serial``: no overlap of memory and compute).
 - It emits tau tokens, so speedup = tau * t_step / (t_draft + t_verify).
 - A DDTree cycle of budget B drafts the same b-token block, then verifies the
   pending token and the B nodes in one target pass over B+1 positions (B+1
-  logits rows); each node's GatedDeltaNet state steps from its parent's, so
-  the pass reads and writes B+1 states, and the commit replays the accepted
-  path from the context's state (one more). tau is then the tree's tokens per
-  cycle, at most b (the tree is b-1 deep).
+  logits rows). Its GatedDeltaNet kernel (``gdn_tree_verify``) steps each
+  node's state from its parent's on chip, reading the context state once and
+  writing no state; the commit then replays the accepted path (a read and a
+  write): one state read more than the chain's pass. tau is then the tree's
+  tokens per cycle, at most b (the tree is b-1 deep).
 
 What a pass reads: every weight once (embeddings only for the rows looked up,
 the LM head once however many rows), the KV cache of the attention layers over
@@ -90,12 +91,12 @@ class TargetProfile:
         E, k = self.num_experts, self.experts_per_token
         return E * (1.0 - (1.0 - k / E) ** tokens)
 
-    def forward(self, tokens: int, context: int, logits_rows: int, states: int = 1) -> Pass:
-        """One pass over ``tokens`` positions that reads and writes ``states``
-        recurrent states (1 for a sequence; a tree steps one per node)."""
+    def forward(self, tokens: int, context: int, logits_rows: int, state_moves: int = 2) -> Pass:
+        """One pass over ``tokens`` positions that reads or writes the recurrent
+        states whole ``state_moves`` times (a sequence: read, then written)."""
         nbytes = (self.dense_bytes + tokens * self.embed_row_bytes
                   + self.expert_bytes * self.experts_touched(tokens)
-                  + self.kv_bytes_per_pos * (context + tokens) + 2 * states * self.state_bytes)
+                  + self.kv_bytes_per_pos * (context + tokens) + state_moves * self.state_bytes)
         if logits_rows:
             nbytes += self.head_bytes
         flops = (tokens * (self.dense_flops + self.expert_flops + self.state_flops)
@@ -330,7 +331,7 @@ def predict(target: TargetProfile, draft: DraftProfile, chip: Chip, tau: float, 
     if tree_budget is None:
         verify = target.forward(block_size, context, block_size)
     else:
-        verify = target.forward(tree_budget + 1, context, tree_budget + 1, states=tree_budget + 2)
+        verify = target.forward(tree_budget + 1, context, tree_budget + 1, state_moves=3)
     drafting = draft.forward(target, block_size, context, tau)
     times = {}
     for overlap in (True, False):
