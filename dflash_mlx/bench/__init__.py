@@ -1,7 +1,8 @@
 """``dflash-mlx bench``: the autoregressive baseline and DFlash side by side.
 
 For every prompt and repeat the same loaded target runs mlx-lm's own
-``stream_generate`` (the baseline) and DFlash at each ``--block-size``, back to
+``stream_generate`` (the baseline) and each DFlash arm (``schedule.Arm``: the
+chain at each ``--block-size``, a DDTree of each ``--tree-budget``), back to
 back, in an order that alternates between consecutive units (``schedule``),
 after an untimed warm-up. Every run is timed the same way from outside the
 generator (``runs``): prefill is the time to the first token; decode is the
@@ -12,6 +13,7 @@ next to it; at temperature 0 the DFlash tokens must equal the baseline's
 configuration (``report``); ``render`` prints and plots it.
 
 ``--predict`` runs nothing: ``cost_model`` prices each forward pass in bytes and
-FLOPs on the ``chips``, for a local pair or the ``presets`` (``predict``).
+FLOPs on the ``chips`` (a tree's verify over its B+1 positions), for a local
+pair or the ``presets`` (``predict``).
 ``command`` holds the command's argument handling.
 """
