@@ -35,7 +35,7 @@ app = typer.Typer(
 GENERATE_FLAGS = {
     "max_tokens": "--max-tokens", "prefill_step_size": "--prefill-step-size", "temperature": "--temp",
     "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed",
-    "repetition_penalty": "--repetition-penalty",
+    "repetition_penalty": "--repetition-penalty", "draft_vocab": "--draft-vocab",
 }
 THINKING_HELP = ("Pass enable_thinking=True/False to the chat template. Default: the registry's "
                  "choice for the pair (what its draft was trained on), else the template's own.")
@@ -120,11 +120,15 @@ def generate(
         0, "--tree-budget", help="Verify a DDTree of up to this many drafted tokens per cycle instead of one "
                                  "chain (lossless at any temperature; 0 = the chain).",
     ),
+    draft_vocab: Optional[int] = typer.Option(
+        None, "--draft-vocab", help="Draft over the N most frequent token ids only (the ranking beside the draft, "
+                                    "made by `dflash-mlx draft-vocab`): a cheaper draft head, still lossless.",
+    ),
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
     options = dict(max_tokens=max_tokens, prefill_step_size=prefill_step_size, temperature=temp,
                    top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                   repetition_penalty=repetition_penalty)
+                   repetition_penalty=repetition_penalty, draft_vocab=draft_vocab)
     try:
         from . import validate
         from .draft import DraftConfig
@@ -261,6 +265,31 @@ def convert(
     except DFlashError as e:
         _fail(str(e))
     typer.echo(f"wrote {out}", err=True)
+
+
+@app.command("draft-vocab")
+def draft_vocab(
+    corpus: list[str] = typer.Argument(..., help="Text or JSONL files or directories, read as `dflash-mlx train --data` reads them."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target whose tokenizer counts the corpus. Default: the bundled demo pair."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft directory to store the ranking in. Default: the registry's draft for --model."),
+):
+    """Rank the target's vocabulary by frequency in a corpus and store it beside the draft, for --draft-vocab N."""
+    try:
+        from mlx_lm.utils import load_tokenizer
+
+        from .draft_vocab import rank_corpus, write_ranking
+        from .loading import TOKENIZER_FILES, resolve
+        from .registry import read_config, resolve_pair
+
+        pair = resolve_pair(model, draft)
+        config = read_config(pair.target, "target")
+        vocab_size = int((config.get("text_config") or config)["vocab_size"])
+        tokenizer = load_tokenizer(resolve(pair.target, "target", TOKENIZER_FILES))
+        ranking, counted = rank_corpus(tokenizer, corpus, vocab_size)
+        path = write_ranking(resolve(pair.draft, "draft"), ranking)
+    except DFlashError as e:
+        _fail(str(e))
+    _note(f"wrote {path}: {vocab_size} ids ranked by frequency over {counted} corpus tokens")
 
 
 @app.command()

@@ -10,7 +10,7 @@ reads one small result per cycle.
 """
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Union
+from typing import Callable, Optional, Protocol, Union
 
 import mlx.core as mx
 
@@ -31,13 +31,16 @@ class Proposer(Protocol):
 
 
 class DraftProposer:
-    """Proposes with a DFlash draft that borrows the target's embedding and head."""
+    """Proposes with a DFlash draft that borrows the target's embedding and head
+    (or, given ``head``, the head over a reduced vocabulary: ``draft_vocab.py``)."""
 
-    def __init__(self, draft: DFlashDraft, target: Target, cache: Optional[list] = None):
+    def __init__(self, draft: DFlashDraft, target: Target, cache: Optional[list] = None,
+                 head: Optional[Callable[[mx.array], mx.array]] = None):
         self.draft = draft
         self.target = target
         self.cache = draft.make_cache() if cache is None else cache
         self.mask_token_id = draft.config.mask_token_id
+        self.head = head or target.logits
 
     def observe(self, features: mx.array, tokens: mx.array) -> None:
         self.draft.inject(features, self.cache)
@@ -46,7 +49,7 @@ class DraftProposer:
         masks = mx.full((block_size - 1,), self.mask_token_id, dtype=y.dtype)
         block = mx.concatenate([y, masks])[None]
         hidden = self.draft(self.target.embed(block), self.cache)
-        return self.target.logits(hidden[:, 1:])[0]
+        return self.head(hidden[:, 1:])[0]
 
 
 @dataclass

@@ -280,6 +280,7 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.injection_plan: Optional[InjectionPlan] = None  # see _injection
+        self.vocab_ranking = None  # ids by corpus frequency, stored beside the draft (draft_vocab.py)
 
     def make_cache(self) -> list[DraftContextCache]:
         """One context cache per layer; it only ever holds context positions, and

@@ -19,6 +19,7 @@ from .block_policy import AdaptiveBlock, FixedBlock
 from .chat import encode
 from .decoder import ContextCache, DraftProposer, SpeculativeDecoder
 from .draft import DFlashDraft
+from .draft_vocab import subset_head
 from .errors import DFlashError
 from .forward_check import check_forward
 from .sampling import BlockSampler, SamplingParams
@@ -122,6 +123,7 @@ def stream_generate(
     context: Optional[ContextCache] = None,
     tree_budget: Optional[int] = None,
     cost_curve: Optional[costs.CostCurve] = None,
+    draft_vocab: Optional[int] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -143,6 +145,9 @@ def stream_generate(
     prompt (only the rest is prefilled) and is left holding every fed token.
     ``tree_budget`` B >= 1 verifies a DDTree of up to B drafted nodes per cycle
     instead of one chain (``tree_decoder.py``), at any temperature; 0 or None is the chain.
+    ``draft_vocab`` N drafts over the N most frequent ids of the ranking stored
+    beside the draft (``draft_vocab.py``; lossless, verification keeps the full
+    vocabulary); None is the full vocabulary.
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})
     target = model if isinstance(model, Target) else Target(model)
@@ -151,6 +156,9 @@ def stream_generate(
     block_size = trained if block_size is None else validate.block_size(block_size, trained)
     validate.logit_bias(logit_bias, target.vocab_size)
     tree_budget = validate.tree_budget(tree_budget, getattr(target.args, "max_position_embeddings", None))
+    head = None
+    if draft_vocab is not None:
+        head = subset_head(target, draft.vocab_ranking, validate.integer(draft_vocab, "draft_vocab"))
     sampler = BlockSampler(
         SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -172,7 +180,7 @@ def stream_generate(
     eos = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    proposer = DraftProposer(draft, target, context.draft)
+    proposer = DraftProposer(draft, target, context.draft, head)
     if tree_budget:  # the tree drafts b-1 positions deep
         depth_block = block_size if isinstance(block_size, int) else trained
         decoder = TreeDecoder(target, proposer, draft.config.target_layer_ids, depth_block, tree_budget,

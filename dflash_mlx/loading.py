@@ -11,9 +11,11 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_model
 
 from .draft import DFlashDraft, DraftConfig
+from .draft_vocab import read_ranking
 from .errors import DFlashError
 
 DRAFT_FILES = ["*.json", "*.safetensors"]
+TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # no weights
 
 
 def _one_line(error: Exception) -> str:
@@ -71,4 +73,5 @@ def load_draft(path_or_repo: str, lazy: bool = False) -> DFlashDraft:
         raise DFlashError(f"draft config '{path / 'config.json'}' is not valid JSON: {e}") from None
     except Exception as e:
         raise DFlashError(f"cannot load draft from '{path}': {_one_line(e)}") from None
+    model.vocab_ranking = read_ranking(path)
     return model

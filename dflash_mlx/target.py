@@ -59,7 +59,7 @@ class Target:
         self.args = text.args
         tied = getattr(text.args, "tie_word_embeddings", False)
         self.lm_head = self.inner.embed_tokens.as_linear if tied else text.lm_head
-        self._head_module = self.inner.embed_tokens if tied else text.lm_head
+        self.head_module = self.inner.embed_tokens if tied else text.lm_head  # holds the head's weights
         self.verify_matmuls = VerificationMatmuls(model)  # with target.verify_matmuls(): one verify pass
 
     @property
@@ -114,8 +114,8 @@ class Target:
         return Forward(self.inner.norm(h), features, records if record else None)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        if isinstance(self._head_module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            out = quantized_matmul(hidden, self._head_module)
+        if isinstance(self.head_module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            out = quantized_matmul(hidden, self.head_module)
             if out is not None:
                 return out
         return self.lm_head(hidden)

@@ -64,6 +64,7 @@ RULES: dict[str, Callable] = {
     "repetition_context_size": lambda v, n: integer(v, n, low=1),
     "presence_penalty": optional(real),
     "frequency_penalty": optional(real),
+    "draft_vocab": optional(lambda v, n: integer(v, n, low=1)),
 }
 
 

@@ -1,0 +1,132 @@
+"""A reduced drafting vocabulary: the draft's logits over the N most frequent ids.
+
+The draft borrows the target's LM head, and on a large vocabulary that head is
+most of the draft's cost (Qwen3.5-9B: 248k rows, 2 GB in bfloat16, read every
+cycle). A ranking of the vocabulary by frequency in a corpus is stored beside
+the draft (``draft_vocab.safetensors``, written by ``dflash-mlx draft-vocab``);
+with ``draft_vocab=N`` the proposer multiplies by the head's N top-ranked rows
+only, sliced once, and every other id gets logit -inf: it is never proposed.
+
+Lossless: verification always runs the target's full head, and the sampler
+drafts from exactly the distribution it reports as q (zero outside the subset),
+so rejection sampling stays exact; greedy drafts are the subset's argmax.
+"""
+
+import weakref
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from .atomic import staged_file
+from .errors import DFlashError
+from .target import Target
+
+RANKING_FILE = "draft_vocab.safetensors"
+RANKING_KEY = "token_ids"
+
+
+def rank_tokens(token_ids: Iterable[int], vocab_size: int) -> np.ndarray:
+    """Every id of the vocabulary, most frequent in ``token_ids`` first; ties
+    (unseen ids included) in id order."""
+    counts = Counter(int(t) for t in token_ids)
+    frequency = np.zeros(vocab_size, dtype=np.int64)
+    for token, n in counts.items():
+        if not 0 <= token < vocab_size:
+            raise DFlashError(f"token id {token} is outside the vocabulary of {vocab_size}")
+        frequency[token] = n
+    return np.argsort(-frequency, kind="stable").astype(np.int32)
+
+
+def rank_corpus(tokenizer, paths: Sequence[str], vocab_size: int) -> tuple[np.ndarray, int]:
+    """(ranking, tokens counted) over text/JSONL files or directories, tokenized
+    as ``dflash-mlx train`` reads its data."""
+    from .train.records import read_records, record_ids
+
+    for path in paths:
+        if not Path(path).expanduser().exists():
+            raise DFlashError(f"corpus path '{path}' does not exist")
+    ids: list[int] = []
+    for record in read_records(paths):
+        ids += record_ids(tokenizer, record)[0]
+    return rank_tokens(ids, vocab_size), len(ids)
+
+
+def write_ranking(draft_dir: Path, ranking: np.ndarray) -> Path:
+    """Store ``ranking`` beside the draft (replacing any earlier one whole)."""
+    path = Path(draft_dir) / RANKING_FILE
+    with staged_file(path) as tmp:
+        save_file({RANKING_KEY: np.ascontiguousarray(ranking, dtype=np.int32)}, str(tmp))
+    return path
+
+
+def read_ranking(draft_dir: Path) -> Optional[np.ndarray]:
+    """The ranking stored beside the draft, or None; a damaged one is an error."""
+    path = Path(draft_dir) / RANKING_FILE
+    if not path.is_file():
+        return None
+    remake = "remake it with dflash-mlx draft-vocab"
+    try:
+        ranking = load_file(str(path))[RANKING_KEY]
+    except Exception as e:
+        raise DFlashError(f"'{path}' is not a draft vocabulary ranking ({e}); {remake}") from None
+    if ranking.ndim != 1 or ranking.dtype != np.int32:
+        raise DFlashError(f"'{path}' holds {ranking.dtype} {ranking.shape}, not int32 ids; {remake}")
+    return ranking
+
+
+class SubsetHead:
+    """The target's LM head over ``ids`` only; logits are full width, -inf
+    outside ``ids``. Float, tied-embedding and quantized heads alike."""
+
+    def __init__(self, target: Target, ids: mx.array):
+        head = target.head_module
+        self.ids = ids
+        self.vocab_size = target.vocab_size
+        rows = {name: head[name][ids] for name in ("weight", "scales", "biases", "bias") if name in head}
+        mx.eval(rows)  # sliced once, not on every call
+        self.weight, self.bias = rows["weight"], rows.get("bias")
+        self.scales, self.biases = rows.get("scales"), rows.get("biases")
+        self.quantized = isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        if self.quantized:
+            self.group_size, self.bits = head.group_size, head.bits
+            self.mode = getattr(head, "mode", "affine")
+
+    def __call__(self, hidden: mx.array) -> mx.array:
+        if self.quantized:
+            sub = mx.quantized_matmul(hidden, self.weight, self.scales, self.biases, transpose=True,
+                                      group_size=self.group_size, bits=self.bits, mode=self.mode)
+        else:
+            sub = hidden @ self.weight.T
+        if self.bias is not None:
+            sub = sub + self.bias
+        full = mx.full((*sub.shape[:-1], self.vocab_size), -mx.inf, dtype=sub.dtype)
+        index = mx.broadcast_to(self.ids, sub.shape)
+        return mx.put_along_axis(full, index, sub, axis=-1)
+
+
+_HEADS: dict[int, dict[int, SubsetHead]] = {}  # id(model) -> size -> head, dropped with the model
+
+
+def subset_head(target: Target, ranking: Optional[np.ndarray], size: int) -> SubsetHead:
+    """The head over the ``size`` top-ranked ids, sliced once per model and size."""
+    if ranking is None:
+        raise DFlashError(f"a reduced drafting vocabulary needs a ranking beside the draft ({RANKING_FILE}); "
+                          "make one with: dflash-mlx draft-vocab --draft DRAFT CORPUS...")
+    if ranking.size != target.vocab_size:
+        raise DFlashError(f"the draft's vocabulary ranking covers {ranking.size} ids but the target has "
+                          f"{target.vocab_size}; remake it with dflash-mlx draft-vocab for this target")
+    if not 1 <= size <= ranking.size:
+        raise DFlashError(f"the drafting vocabulary must be from 1 to the vocabulary size {ranking.size}, got {size}")
+    key = id(target.model)
+    if key not in _HEADS:
+        _HEADS[key] = {}
+        weakref.finalize(target.model, _HEADS.pop, key, None)
+    heads = _HEADS[key]
+    if size not in heads:
+        heads[size] = SubsetHead(target, mx.array(np.sort(ranking[:size])))
+    return heads[size]
