@@ -36,7 +36,8 @@ def _configs(model: Optional[str], draft: Optional[str], preset: Optional[str],
 def _measured_trees(measured: Optional[dict]) -> dict[tuple[int, int], float]:
     """(budget, block) -> measured tau of each tree arm of a bench report."""
     sides = measured["summary"]["dflash"].values() if measured else []
-    return {(s["tree_budget"], s["block_size"]): s["tau"] for s in sides if s.get("tree_budget") and s.get("tau")}
+    return {(s["tree_budget"], s["block_size"]): s["tau"] for s in sides
+            if s.get("tree_budget") and s.get("tau")}
 
 
 def _tree_arms(budgets: list[int], block_sizes: Optional[list[int]], measured: Optional[dict],
