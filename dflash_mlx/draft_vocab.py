@@ -13,7 +13,6 @@ so rejection sampling stays exact; greedy drafts are the subset's argmax.
 """
 
 import weakref
-from collections import Counter
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -33,12 +32,11 @@ RANKING_KEY = "token_ids"
 def rank_tokens(token_ids: Iterable[int], vocab_size: int) -> np.ndarray:
     """Every id of the vocabulary, most frequent in ``token_ids`` first; ties
     (unseen ids included) in id order."""
-    counts = Counter(int(t) for t in token_ids)
-    frequency = np.zeros(vocab_size, dtype=np.int64)
-    for token, n in counts.items():
-        if not 0 <= token < vocab_size:
-            raise DFlashError(f"token id {token} is outside the vocabulary of {vocab_size}")
-        frequency[token] = n
+    ids = np.fromiter(token_ids, dtype=np.int64)
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.size:
+        raise DFlashError(f"token id {outside[0]} is outside the vocabulary of {vocab_size}")
+    frequency = np.bincount(ids, minlength=vocab_size)
     return np.argsort(-frequency, kind="stable").astype(np.int32)
 
 
@@ -61,6 +59,7 @@ def write_ranking(draft_dir: Path, ranking: np.ndarray) -> Path:
     path = Path(draft_dir) / RANKING_FILE
     with staged_file(path) as tmp:
         save_file({RANKING_KEY: np.ascontiguousarray(ranking, dtype=np.int32)}, str(tmp))
+        tmp.chmod(0o644)  # as the draft's other files, not the writer's private 0600
     return path
 
 

@@ -9,7 +9,9 @@ Stages, each resumable (run them in order; ``all`` runs every stage):
              ``qwen3_5`` class) pretrained on the corpus
   draft      a DFlash draft trained with ``dflash-mlx train`` on the target's
              own greedy continuations (self-distillation)
-  install    copy the final target and draft into dflash_mlx/demo_pair/
+  install    copy the final target and draft into dflash_mlx/demo_pair/, with
+             the vocabulary ranked by frequency in the training stream
+             (``--draft-vocab N``)
 
 Run on CPU with OpenBLAS and float32 for speed::
 
@@ -36,6 +38,7 @@ import mlx.nn as nn
 import numpy as np
 
 from dflash_mlx.atomic import staged_output
+from dflash_mlx.draft_vocab import rank_tokens, write_ranking
 from dflash_mlx.train import OptimConfig, fit
 
 VOCAB_SIZE = 4096
@@ -357,6 +360,8 @@ def stage_install(work: Path) -> Path:
             if f.suffix in (".json", ".safetensors"):
                 shutil.copy(f, dest / name / f.name)
     shutil.copy(stage_prompts(work), dest / "heldout_prompts.jsonl")
+    if (dest / "draft" / "config.json").is_file():  # the vocabulary ranked over the training corpus
+        write_ranking(dest / "draft", rank_tokens(np.load(work / "data" / "train_tokens.npy"), VOCAB_SIZE))
     print(f"installed the demo pair in {dest}", file=sys.stderr)
     return dest
 
