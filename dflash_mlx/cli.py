@@ -372,6 +372,7 @@ def bench(
     predict: bool = typer.Option(False, "--predict", help="No run: predict the speedup on Apple M-series chips from bytes and FLOPs."),
     tau: Optional[float] = typer.Option(None, "--tau", help="--predict: the acceptance length tau at the first --block-size (others extrapolated)."),
     tree_tau: Optional[float] = typer.Option(None, "--tree-tau", help="--predict: tokens per cycle expected of every --tree-budget arm. Default: measured in --results for that budget and block, else the chain's tau at the tree's block (no gain assumed; the 'tie tau' column says what the tree must reach)."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Every DFlash arm drafts over the N most frequent ids (the ranking beside the draft; see `dflash-mlx draft-vocab`)."),
     results: Optional[str] = typer.Option(None, "--results", help="--predict: take tau (and the pair) from a bench --json report."),
     preset: Optional[str] = typer.Option(None, "--preset", help="--predict: a published model instead of --model/--draft (qwen3.5-4b, qwen3.5-9b, qwen3.5-27b-4bit, qwen3.5-35b-a3b-4bit)."),
     chip: Optional[list[str]] = typer.Option(None, "--chip", help="--predict: only these chips (e.g. 'M5 Max'); default: all."),
@@ -396,6 +397,7 @@ def serve(
     max_queue: int = typer.Option(32, "--max-queue", help="Requests that may wait behind the one decoding; more get HTTP 429."),
     prefix_cache_gb: float = typer.Option(2.0, "--prefix-cache-gb", help="Memory for reusing earlier requests' caches (0: off)."),
     block_size: str = typer.Option("auto", "--block-size", "-b", help="Tokens per draft block: auto (chosen each cycle from measured costs and acceptance) or 2 to twice the draft's trained size."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Draft over the N most frequent ids (the ranking beside the draft; see `dflash-mlx draft-vocab`)."),
 ):
     """OpenAI-compatible HTTP server (chat and text completions, streaming) over one DFlash pair."""
     _call(".server.command", "main", **locals())

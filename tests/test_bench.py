@@ -45,7 +45,7 @@ def test_run_bench_calls_runners_in_schedule_order():
     calls = []
 
     def fake(arm):
-        def run(*args, tree_budget=None):
+        def run(*args, tree_budget=None, draft_vocab=None):
             block, tokens = (args[5], args[4]) if arm == "dflash" else (None, args[3])
             calls.append((arm, block, tokens))
             rec = {"prompt_tokens": 3, "tokens": [1, 2, 3], "generated": 3, "finish_reason": "length",

@@ -112,7 +112,7 @@ def test_a_diverging_tree_arm_is_reported(target_dirs, draft_dir):
     model, tokenizer = load(str(target_dirs["qwen3"]))
     draft = load_draft(str(draft_dir("qwen3", block_size=4)))
 
-    def corrupted(*args, tree_budget=None):  # the tree's tokens, one changed
+    def corrupted(*args, tree_budget=None, draft_vocab=None):  # the tree's tokens, one changed
         rec = runs.run_dflash(*args, tree_budget=tree_budget)
         if tree_budget:
             rec["tokens"][2] = (rec["tokens"][2] + 1) % 500

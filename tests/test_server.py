@@ -268,6 +268,7 @@ def test_a_full_queue_answers_429_and_a_disconnect_frees_its_slot_at_once(server
         (["--max-tokens-limit", "0"], "--max-tokens-limit must be positive"),
         (["--prefix-cache-gb", "-1"], "--prefix-cache-gb must be >= 0"),
         (["--draft", "somewhere"], "--draft needs --model"),
+        (["--draft-vocab", "0"], "--draft-vocab must be positive"),
     ],
 )
 def test_serve_options_are_checked_before_loading(options, message):
@@ -287,3 +288,13 @@ def test_a_block_size_the_draft_cannot_take_stops_the_server_at_startup(pair_dir
         capture_output=True, text=True, timeout=120, env=os.environ | {"HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 1 and "error: block_size" in result.stderr
+
+
+def test_a_draft_vocab_without_a_ranking_stops_the_server_at_startup(pair_dirs):
+    target, draft = pair_dirs
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target), "--draft", str(draft),
+         "--port", str(free_port()), "--draft-vocab", "64"],
+        capture_output=True, text=True, timeout=120, env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 1 and "error: a reduced drafting vocabulary needs a ranking" in result.stderr

@@ -25,7 +25,7 @@ from .synthetic import main_synthetic
 
 DTYPES = ("float32", "float16", "bfloat16")
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p",
-         "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed"}
+         "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "draft_vocab": "--draft-vocab"}
 
 
 def _listed(values: Optional[list[str]], parse: Callable) -> list:
@@ -65,7 +65,8 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
          thinking: Optional[bool], warmup: bool, json_out: Optional[str], plot_out: Optional[str],
          predict: bool, tau: Optional[float], tree_tau: Optional[float], results: Optional[str],
          preset: Optional[str], chip: Optional[list[str]], context: int,
-         neural_accelerators: bool, overhead_ms: float, calibrate: bool, synthetic: bool) -> None:
+         neural_accelerators: bool, overhead_ms: float, calibrate: bool, synthetic: bool,
+         draft_vocab: Optional[int] = None) -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed."""
     sizes = parse_block_sizes(block_size)
     budgets = parse_tree_budgets(tree_budget)
@@ -97,7 +98,7 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     if tau is not None or tree_tau is not None or results or preset:
         raise DFlashError("--tau, --tree-tau, --results and --preset only apply with --predict")
     sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    validate.options({"max_tokens": max_tokens, **sampling}, FLAGS)
+    validate.options({"max_tokens": max_tokens, "draft_vocab": draft_vocab, **sampling}, FLAGS)
     validate.integer(repeat, "--repeat", low=1)
     if limit is not None:
         validate.integer(limit, "--limit", low=1)
@@ -110,14 +111,16 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, block_sizes=sizes,
              tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit,
              categories=category, dtype=dtype, chat_template=not no_chat_template,
-             enable_thinking=thinking, warmup=warmup, json_out=json_out, plot_out=plot_out)
+             enable_thinking=thinking, warmup=warmup, json_out=json_out, plot_out=plot_out,
+             draft_vocab=draft_vocab)
 
 
 def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
              block_sizes: Optional[list[int]], tree_budgets: list[int], sampling: dict,
              repeat: int, limit: Optional[int], categories: Optional[list[str]], dtype: str,
              chat_template: bool, enable_thinking: Optional[bool], warmup: bool,
-             json_out: Optional[str], plot_out: Optional[str], err=None, out=None) -> dict:
+             json_out: Optional[str], plot_out: Optional[str], draft_vocab: Optional[int] = None,
+             err=None, out=None) -> dict:
     """The measured benchmark: prompts and pair resolved, block sizes checked
     against the draft's config and tree budgets against the target's context
     length before the models load; the tables, then the JSON report and the
@@ -163,14 +166,14 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
         result = run_bench(target, dft, tokenizer, chosen, arms=dflash_arms,
                            max_tokens=max_tokens, repeat=repeat, sampling=sampling,
                            chat_template=chat_template, enable_thinking=thinking,
-                           warmup_tokens=16 if warmup else 0, on_step=on_step)
+                           warmup_tokens=16 if warmup else 0, on_step=on_step, draft_vocab=draft_vocab)
         progress.advance(task)
     config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,
               "block_sizes": block_sizes, "tree_budgets": tree_budgets, "tree_block_size": tree_block,
               "repeat": repeat, **sampling, "dtype": "checkpoint" if dtype == "keep" else dtype,
               "chat_template": chat_template, "enable_thinking": thinking, "prompts": prompts,
               "categories": categories, "limit": limit, "warmup": warmup,
-              "draft_trained_block_size": trained}
+              "draft_trained_block_size": trained, "draft_vocab": draft_vocab}
     report = make_report(result, config, machine_info())
     validate_report(report)
     render(report, out)

@@ -81,16 +81,18 @@ def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: di
 
 
 def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_size: int,
-               sampling: dict, tree_budget: Optional[int] = None) -> dict:
+               sampling: dict, tree_budget: Optional[int] = None, draft_vocab: Optional[int] = None) -> dict:
     """DFlash ``stream_generate`` (a DDTree of ``tree_budget`` nodes per cycle
-    if given, else the chain); adds the per-cycle accepted draft counts."""
+    if given, else the chain; drafting over ``draft_vocab`` ids if given); adds
+    the per-cycle accepted draft counts."""
     from ..generate import stream_generate
 
     _fresh()
     responses, first, total = _timed(stream_generate(
         model, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens,
         temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
-        min_p=sampling["min_p"], seed=sampling.get("seed"), tree_budget=tree_budget))
+        min_p=sampling["min_p"], seed=sampling.get("seed"), tree_budget=tree_budget,
+        draft_vocab=draft_vocab))
     tokens = [t for r in responses for t in r.tokens]
     last = responses[-1] if responses else None
     rec = _record(len(ids), tokens, last.finish_reason if last else None, first, total, last)
@@ -104,6 +106,7 @@ def run_bench(
     repeat: int = 1, sampling: Optional[dict] = None, chat_template: bool = True,
     enable_thinking: Optional[bool] = None, warmup_tokens: int = 16,
     on_step: Optional[Callable[[str], None]] = None, runners: Optional[dict] = None,
+    draft_vocab: Optional[int] = None,
 ) -> dict:
     """Run the schedule over the DFlash ``arms``; returns prompts, runs, pairs
     and the summary.
@@ -113,6 +116,7 @@ def run_bench(
     ``on_step(description)`` is called before every run (warm-up included) for a
     progress display. ``runners`` replaces ``{"baseline": run_baseline, "dflash":
     run_dflash}`` (tests give the baseline another target, for instance).
+    ``draft_vocab`` N: every DFlash arm drafts over the N top-ranked ids.
     """
     sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0, **(sampling or {})}
     runners = {BASELINE: run_baseline, DFLASH: run_dflash, **(runners or {})}
@@ -135,7 +139,7 @@ def run_bench(
         if step.arm == BASELINE:
             return runners[BASELINE](model, tokenizer, ids, tokens, sampling)
         return runners[DFLASH](model, draft, tokenizer, ids, tokens, step.block_size, sampling,
-                               tree_budget=step.tree_budget)
+                               tree_budget=step.tree_budget, draft_vocab=draft_vocab)
 
     if warmup_tokens > 0:  # untimed: weights paged in, kernels and buffers allocated
         for step in schedule(1, 1, arms):

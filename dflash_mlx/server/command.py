@@ -11,7 +11,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache_gb: float,
-                  block_size: Union[int, str, None]) -> None:
+                  block_size: Union[int, str, None], draft_vocab: Optional[int] = None) -> None:
     """Raise a one-line DFlashError for an option out of range."""
     if not 0 <= port <= 65535:
         raise DFlashError(f"--port must be in 0..65535, got {port}")
@@ -23,17 +23,20 @@ def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache
         raise DFlashError(f"--prefix-cache-gb must be >= 0, got {prefix_cache_gb}")
     if block_size is not None:
         block_option(str(block_size), "--block-size")
+    if draft_vocab is not None and draft_vocab < 1:
+        raise DFlashError(f"--draft-vocab must be positive, got {draft_vocab}")
 
 
 def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_tokens_limit: int,
-         api_key: Optional[str], max_queue: int, prefix_cache_gb: float, block_size: str) -> None:
+         api_key: Optional[str], max_queue: int, prefix_cache_gb: float, block_size: str,
+         draft_vocab: Optional[int] = None) -> None:
     """``dflash-mlx serve``: resolve the pair (the demo pair without --model)
     and serve it; progress goes to stderr."""
     pair = resolve_pair(model, draft)
     if pair.demo:
         _log("no --model given: serving the bundled demo pair (offline); pass --model for a real model")
     serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb,
-          block_option(block_size, "--block-size"))
+          block_option(block_size, "--block-size"), draft_vocab)
 
 
 def _log(message: str) -> None:
@@ -42,7 +45,7 @@ def _log(message: str) -> None:
 
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limit: int = 4096,
           api_key: Optional[str] = None, max_queue: int = 32, prefix_cache_gb: float = 2.0,
-          block_size: Union[int, str, None] = "auto") -> None:
+          block_size: Union[int, str, None] = "auto", draft_vocab: Optional[int] = None) -> None:
     """Check the options, load ``pair`` on the worker thread, then serve it
     until interrupted (DFlashError for a bad option or pair)."""
     import uvicorn
@@ -50,10 +53,10 @@ def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limi
     from .app import Settings, create_app
     from .engine import Engine
 
-    check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size)
+    check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size, draft_vocab)
     if host not in LOOPBACK and api_key is None:
         _log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
-    engine = Engine(pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9))
+    engine = Engine(pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9), draft_vocab)
     _log(f"loading {pair.target} with draft {pair.draft}")
     engine.start()
     name = "dflash-mlx-demo" if pair.demo else pair.target

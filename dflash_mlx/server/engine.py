@@ -108,9 +108,10 @@ class Engine:
     """Loads the pair on its worker thread and runs queued requests there."""
 
     def __init__(self, model: str, draft: str, block_size: Union[int, str, None] = "auto",
-                 max_queue: int = 32, prefix_cache_bytes: int = 0):
+                 max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None):
         self.model_id, self.draft_id = model, draft
         self.block_size = block_size
+        self.draft_vocab = draft_vocab  # every request drafts over this many top-ranked ids
         self.max_queue = max_queue
         self.prefix_cache_bytes = prefix_cache_bytes
         self.started = int(time.time())
@@ -178,7 +179,7 @@ class Engine:
         self.context_length = getattr(self.target.args, "max_position_embeddings", None)
         # one cycle through the whole pipeline: a bad option fails here, not in every request
         generate(self.target, self.draft, self.tokenizer, encode(self.tokenizer, "hello"),
-                 max_tokens=2, block_size=self.block_size)
+                 max_tokens=2, block_size=self.block_size, draft_vocab=self.draft_vocab)
         self.prefix_cache = PrefixCache(self.target, self.draft, self.prefix_cache_bytes)
         self._update_stats()
 
@@ -216,7 +217,7 @@ class Engine:
         snapshot, finish = None, "cancelled"
         responses = stream_generate(
             self.target, self.draft, self.tokenizer, request.prompt,
-            block_size=self.block_size, max_tokens=request.max_tokens,
+            block_size=self.block_size, max_tokens=request.max_tokens, draft_vocab=self.draft_vocab,
             context=context, **request.sampling,
         )
         try:
