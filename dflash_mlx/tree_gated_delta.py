@@ -20,7 +20,6 @@ runs (the ``gdn_verify`` kernel where active, else mlx-lm's
 """
 
 from dataclasses import dataclass
-from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,7 +62,7 @@ class TreeRecord:
     v: mx.array
     a: mx.array
     b: mx.array
-    state: Optional[mx.array]
+    state: mx.array  # [1, Hv, Dv, Dk] float32: the context state the pass started from
     layer: nn.Module
 
 

@@ -236,6 +236,14 @@ def test_a_mutated_kernel_fails_the_comparison(text, replacement, what):
     assert problem is not None, f"mutation '{what}' went unnoticed"
 
 
+@needs_gxx
+def test_the_self_check_input_catches_a_wrong_parent():
+    inputs, params = KERNEL.sample(np.random.default_rng(0))
+    source = KERNEL.source.replace("if (from >= 0) {", "if (from > 0) {")
+    _, problem = run_kernel("gdn_tree_verify", *inputs, source=source, **params)
+    assert problem is not None
+
+
 # ---------------------------------------------------------------- dispatch
 def test_uncovered_inputs_go_to_the_reference_with_a_reason():
     parents = TREES["random 33"]
@@ -333,8 +341,8 @@ def test_tree_walks_to_every_depth_with_the_kernels_emulated():
 
 @needs_gxx
 def test_tree_decoding_with_a_draft_is_mlx_lm_greedy(target_dirs, draft_dir):
-    """The saved tiny qwen3_5 target and its draft, budget 32 (every emulated
-    launch costs about a second, hence one prompt)."""
+    """The saved tiny qwen3_5 target and its draft, budget 32 (one prompt:
+    emulated launches are slow)."""
     model, tokenizer = mlx_lm_load(str(target_dirs["qwen3_5"]))
     draft = load_draft(str(draft_dir("qwen3_5", block_size=BLOCK)))
     target = Target(model)

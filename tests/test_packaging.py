@@ -91,7 +91,7 @@ print(sorted(p.name for p in k.metal_dir().iterdir()))
     where, names = out.stdout.splitlines()[:2]
     assert Path(where).is_relative_to(env_dir.resolve()), where
     for name in ("verify_greedy.metal", "verify_sampled.metal", "kv_inject.metal", "qmm_verify.metal",
-                 "gdn_verify.metal", "gdn_replay.metal", "common.h"):
+                 "gdn_verify.metal", "gdn_replay.metal", "gdn_tree_verify.metal", "common.h"):
         assert name in names, name
 
 
