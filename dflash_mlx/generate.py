@@ -4,9 +4,10 @@ A superset of z-lab's ``dflash.model_mlx.stream_generate``: same call shape,
 with per-cycle acceptance and timing in every response.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Generator, Optional, Union
+from typing import Generator, Iterator, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -102,6 +103,18 @@ def _encode(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array:
     return mx.array(validate.token_ids(prompt, vocab_size))
 
 
+@contextlib.contextmanager
+def drained(stream) -> Iterator[None]:
+    """On leaving, however generation ends, wait for the work still queued on
+    ``stream`` (the next block's draft): a process that then exits must not
+    have a BLAS call in flight, or a multithreaded OpenBLAS never lets it end.
+    (mlx-lm's ``wired_limit`` synchronizes on Metal only.)"""
+    try:
+        yield
+    finally:
+        mx.synchronize(stream)
+
+
 def stream_generate(
     model: Union[nn.Module, Target],
     draft: DFlashDraft,
@@ -192,7 +205,7 @@ def stream_generate(
             policy = FixedBlock(block_size)
         decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,
                                      prefill_step_size, sampler, context.target, context.tokens)
-    with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream):
+    with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream), drained(generation_stream):
         tic = time.perf_counter()
         committed = [decoder.prefill(prompt_ids)]
         prompt_tps = prompt_ids.size / (time.perf_counter() - tic)

@@ -1,4 +1,5 @@
-"""``dflash-mlx generate`` exits under OpenBLAS with MLX work still in flight.
+"""``dflash-mlx generate``, and a library caller of ``generate``, exit under
+OpenBLAS with MLX work still in flight.
 
 A finished generation leaves the draft of the next block queued on MLX's
 worker thread. A process that exits while that draft's BLAS calls run never
@@ -54,3 +55,38 @@ def test_generate_exits_with_mlx_work_in_flight():
         pytest.fail(f"still running after 120 s; its stderr:\n{e.stderr}")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() and "generation: 8 tokens" in run.stderr
+
+
+LIBRARY = """
+import mlx.core as mx
+import dflash_mlx.decoder as decoder
+from dflash_mlx import generate, load, load_draft
+from dflash_mlx.demo import demo_pair
+
+propose = decoder.DraftProposer.propose
+
+def propose_with_seconds_of_blas(self, y, block_size):
+    a = mx.random.normal((1024, 1024))
+    b = a
+    for _ in range(20):
+        b = b @ a
+    return propose(self, y, block_size) + 0 * b.sum()
+
+decoder.DraftProposer.propose = propose_with_seconds_of_blas
+pair = demo_pair()
+model, tokenizer = load(str(pair.target))
+result = generate(model, load_draft(str(pair.draft)), tokenizer, "def fibonacci(n):", max_tokens=8, block_size=4)
+print(len(result.tokens))
+"""
+
+
+def test_a_library_caller_exits_after_generate_returns():
+    """No atexit hook here: ``stream_generate`` itself waits for the draft it
+    queued after the last cycle (each draft here carries a second or so of BLAS work)."""
+    env = {**os.environ, "LD_PRELOAD": OPENBLAS_LIB, "OPENBLAS_NUM_THREADS": "2"}
+    try:
+        run = subprocess.run([sys.executable, "-c", LIBRARY], env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"still running after 120 s; its stderr:\n{e.stderr}")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "8"
