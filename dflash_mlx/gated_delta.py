@@ -3,16 +3,21 @@
 The verify pass runs the layer's own submodules in the same order as
 ``mlx_lm.models.qwen3_5.GatedDeltaNet`` and records the conv input and the
 per-step q, k, v, a, b together with the state it started from. Rollback to
-``keep`` accepted tokens then slices the conv window and replays only ``keep``
-recurrence steps with mlx-lm's ``gated_delta_update``: no re-forward of the
-projections, and bit-identical to the state the verify pass passed through.
+``keep`` accepted tokens slices the conv window and sets the recurrent state
+to the one after ``keep`` steps, bit-identical to the state the verify pass
+went through, without re-running any projection.
+
+Where no Metal device is in use the recurrence runs in ``gated_delta_steps``
+(mlx-lm's ops path, bit for bit, in fewer graph nodes), which also returns the
+state every ``CHECKPOINT_EVERY`` steps; the record keeps them, and rollback
+takes the last one at or before ``keep`` and replays the few steps after it.
 
 Where Metal is available the recurrence runs in dflash-mlx's own kernels
 (``dflash_mlx.kernels.gdn``, through the registry's dispatch and self-check):
 ``gdn_verify`` for the block, on mlx-lm's own g and beta, which the record then
 keeps, and ``gdn_replay`` for the rollback, with the same arithmetic, so the
-restored state is again one the verify pass went through. Elsewhere, or when a
-kernel is off, the path above is used unchanged.
+restored state is again one the verify pass went through. When a kernel is off
+there, mlx-lm's ``gated_delta_update`` runs the block and replays ``keep`` steps.
 """
 
 from dataclasses import dataclass
@@ -24,6 +29,7 @@ from mlx_lm.models.base import create_ssm_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
+from . import gated_delta_steps
 from .errors import DFlashError
 from .kernels import gdn as gdn_kernels
 
@@ -40,6 +46,8 @@ class GatedDeltaRecord:
     layer: nn.Module  # the GatedDeltaNet (for A_log, dt_bias, kernel choice)
     g: Optional[mx.array] = None  # [B, T, Hv] decay the verify kernel used (kernel path only)
     beta: Optional[mx.array] = None  # [B, T, Hv] sigmoid(b) it used (kernel path only)
+    states: Optional[list] = None  # states after every, 2*every, ... steps (gated_delta_steps path only)
+    every: int = 0  # steps between those states
 
 
 def split_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -75,23 +83,30 @@ def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
     conv_out = nn.silu(gdn.conv1d(conv_input))
     q, k, v = split_qkv(gdn, conv_out)
     state = cache[1]
-    g = beta = None
-    if not gdn.training and gdn_kernels.VERIFY.enabled():
-        # what gated_delta_update computes before its recurrence, kept for the replay
-        g, beta = compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b)
-        if state is None:
-            state = mx.zeros((B, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), dtype=mx.float32)
-        if gdn_kernels.VERIFY.active(q, k, v, g, beta, state):
-            out, cache[1] = gdn_kernels.VERIFY.launch(q, k, v, g, beta, state)
-        else:
-            g = beta = None
-    if g is None:
+    if state is None:
+        state = mx.zeros((B, gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim), dtype=mx.float32)
+    g, beta = compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b)  # as gated_delta_update makes them
+    states, every = None, gated_delta_steps.CHECKPOINT_EVERY
+    if not gdn.training and gdn_kernels.VERIFY.active(q, k, v, g, beta, state):
+        out, cache[1] = gdn_kernels.VERIFY.launch(q, k, v, g, beta, state)  # the record keeps g, beta
+    elif _metal_in_use():  # mlx-lm's own kernel may run
         out, cache[1] = gated_delta_update(
             q, k, v, a, b, gdn.A_log, gdn.dt_bias, state, None, use_kernel=not gdn.training
         )
+        g = beta = None
+    else:  # gated_delta_update's ops path, bit for bit, keeping states for the rollback
+        out, states = gated_delta_steps.steps(q, k, v, g, beta, state, every)
+        cache[1] = states[-1]
+        g = beta = None
     cache.advance(S)
     out = gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1))
-    return out, GatedDeltaRecord(conv_input, q, k, v, a, b, state, gdn, g, beta)
+    return out, GatedDeltaRecord(conv_input, q, k, v, a, b, state, gdn, g, beta, states, every)
+
+
+def _metal_in_use() -> bool:
+    """Whether mlx-lm's ``gated_delta_update`` may run its own Metal kernel here
+    (elsewhere it runs its ops path, which ``gated_delta_steps`` reproduces)."""
+    return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
 def recording_layer(layer: nn.Module, x: mx.array, mask, cache: ArraysCache):
@@ -112,18 +127,22 @@ def restore(cache: ArraysCache, record: GatedDeltaRecord, keep: int) -> None:
             (cache[1],) = gdn_kernels.REPLAY.launch(*args)
             return
     gdn = record.layer
-    _, cache[1] = gated_delta_update(
-        record.q[:, :keep],
-        record.k[:, :keep],
-        record.v[:, :keep],
-        record.a[:, :keep],
-        record.b[:, :keep],
-        gdn.A_log,
-        gdn.dt_bias,
-        record.state,
-        None,
-        use_kernel=not gdn.training,
-    )
+    if record.states is None:  # the block ran in a kernel: mlx-lm's recurrence from its start
+        _, cache[1] = gated_delta_update(
+            *(t[:, :keep] for t in (record.q, record.k, record.v, record.a, record.b)),
+            gdn.A_log, gdn.dt_bias, record.state, None, use_kernel=not gdn.training,
+        )
+        return
+    checkpoint = keep // record.every  # the last state kept at or before keep
+    start = checkpoint * record.every
+    cache[1] = record.state if checkpoint == 0 else record.states[checkpoint - 1]
+    if start < keep:  # at most every - 1 steps
+        a, b = record.a[:, start:keep], record.b[:, start:keep]
+        _, states = gated_delta_steps.steps(
+            *(t[:, start:keep] for t in (record.q, record.k, record.v)),
+            compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), cache[1], record.every,
+        )
+        cache[1] = states[-1]
 
 
 class GatedDelta:

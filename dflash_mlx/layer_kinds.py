@@ -7,8 +7,9 @@ block. The target adapter (``target.py``) only ever talks to kinds.
 
 - attention (full or sliding window): mlx-lm's own layer, a trimmable cache,
   rolled back by ``trim``;
-- GatedDeltaNet (``gated_delta.py``): a recording forward, rolled back by
-  replaying the accepted steps.
+- GatedDeltaNet (``gated_delta.py``): a recording forward, rolled back to a
+  state the verify pass went through (kept every few steps, or replayed by a
+  kernel).
 
 A new recurrence (e.g. Mamba-2, short convolutions) is one new module with a
 kind like ``gated_delta.GatedDelta``, listed in ``RECURRENT_KINDS``.

@@ -4,8 +4,8 @@ It reuses the instance's own modules (no patching of mlx-lm classes) to return
 logits-ready hidden states plus the features at ``target_layer_ids``, and it
 rolls every cache back exactly after a partially accepted block. How each
 layer runs and rolls back is its layer kind's business (``layer_kinds.py``):
-attention caches are trimmed; GatedDeltaNet layers replay the accepted steps
-from what the verify pass recorded (``gated_delta.py``).
+attention caches are trimmed; GatedDeltaNet layers go back to a state the
+verify pass went through, from what it recorded (``gated_delta.py``).
 
 On a quantized target the verify pass (``forward(..., record=True)``) and the
 logits of up to 32 rows run their quantized matmuls through the block-verify

@@ -27,6 +27,12 @@ MODES = {"full": 1.0, "half": 0.5, "none": 0.0}  # share of each block's drafts 
 CONFIG = dict(model_type="llama", hidden_size=1024, num_hidden_layers=12, intermediate_size=2816,
               num_attention_heads=16, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=32000,
               max_position_embeddings=4096, tie_word_embeddings=True)
+HYBRID = dict(hidden_size=1024, num_hidden_layers=12, full_attention_interval=4, intermediate_size=2816,
+              num_attention_heads=16, num_key_value_heads=4, head_dim=64, linear_num_key_heads=8,
+              linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+              linear_conv_kernel_dim=4, rms_norm_eps=1e-6, vocab_size=32000, max_position_embeddings=4096,
+              tie_word_embeddings=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
 PROMPT = 32  # prompt tokens
 REPEATS = 5  # timed passes per t_verify / t_draft
 RUNS = 2  # timed runs per mlx-lm and DFlash figure
@@ -63,6 +69,18 @@ def synthetic_target(seed: int = 0, **overrides):
 
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs(**{**CONFIG, **overrides}))
+    mx.eval(model.parameters())
+    return model
+
+
+def hybrid_target(seed: int = 0, **overrides):
+    """A random mlx-lm qwen3_5: 9 GatedDeltaNet and 3 attention layers, Qwen3.5's
+    head sizes (Dk = Dv = 128), about 220M parameters at the defaults, float32."""
+    from mlx_lm.models import qwen3_5
+
+    mx.random.seed(seed)
+    text = {**HYBRID, **overrides, "model_type": "qwen3_5"}
+    model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text))
     mx.eval(model.parameters())
     return model
 
