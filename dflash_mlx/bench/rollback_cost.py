@@ -22,6 +22,7 @@ from collections import Counter
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_update
 
 from ..gated_delta_steps import CHECKPOINT_EVERY, steps
@@ -80,16 +81,21 @@ def rollback_costs(model=None, block: int = 16) -> dict:
         mx.eval(mx.argmax(target.logits(out.hidden), axis=-1), [c.state for c in cache])
         return out
 
-    def undo(out, keep):  # back to the cache before the block
-        for kind, c, record in zip(target.kinds, cache, out.records):
-            kind.rollback(c, record, 0, keep)
+    before = [list(c.cache) if isinstance(c, ArraysCache) else c.offset for c in cache]
+
+    def undo():  # back to the cache before the block
+        for c, saved in zip(cache, before):
+            if isinstance(c, ArraysCache):
+                c.cache = list(saved)
+            else:
+                c.trim(c.offset - saved)
 
     times = []
     for _ in range(REPEATS + 1):
         tic = time.perf_counter()
         out = verify()
         times.append((time.perf_counter() - tic) * 1e3)
-        undo(out, block)
+        undo()
     records = [r for r in out.records if r is not None]
     rows = []
     for keep in range(1, block):
@@ -103,7 +109,7 @@ def rollback_costs(model=None, block: int = 16) -> dict:
 
             rollback.append(_timed(roll_back))
             replay.append(_timed(lambda: _replay_from_start([r for r in out.records if r is not None], keep)))
-            undo(out, keep)
+            undo()
         rows.append({"keep": keep, "rollback_ms": min(rollback), "replay_from_start_ms": min(replay)})
     return {"block": block, "checkpoint_every": CHECKPOINT_EVERY, "gated_delta_layers": len(records),
             "t_ar_ms": t_ar, "t_verify_ms": min(times[1:]), "recurrence": _recurrence(records), "rows": rows}
