@@ -6,7 +6,8 @@ Stages, each resumable (run them in order; ``all`` runs every stage):
              library's own source (PSF licence), test suites excluded
   data       the corpus tokenized; ~5% of the files held out (eval prompts)
   target     a small Qwen3.5 hybrid (GatedDeltaNet + attention, mlx-lm's
-             ``qwen3_5`` class) pretrained on the corpus
+             ``qwen3_5`` class) pretrained on the corpus (1000 steps)
+  extend     its pretraining continued (3000 more steps, fresh schedule)
   draft      a DFlash draft trained with ``dflash-mlx train`` on the target's
              own greedy continuations (self-distillation)
   install    copy the final target and draft into dflash_mlx/demo_pair/, with
@@ -96,6 +97,19 @@ TARGET_OPTIM = OptimConfig(
     keep_checkpoints=2,
     log_every=5,
     seed=0,
+)
+
+EXTEND_OPTIM = OptimConfig(
+    steps=3000,
+    learning_rate=1e-3,
+    warmup_steps=50,
+    min_lr_ratio=0.05,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    checkpoint_every=20,
+    keep_checkpoints=2,
+    log_every=5,
+    seed=1,  # other windows than the target stage's
 )
 
 
@@ -226,11 +240,16 @@ def stage_target(work: Path, steps=None, stop_after=None, from_scratch=False) ->
             shutil.copytree(INSTALLED / "target", tmp)
         print(f"target: using the installed {INSTALLED / 'target'}", file=sys.stderr)
         return final
-    stream = np.load(work / "data" / "train_tokens.npy")
     cfg = TARGET_OPTIM
     if steps:
         cfg = OptimConfig(**{**cfg.__dict__, "steps": steps})
-    model = build_target(cfg.seed)
+    return pretrain(build_target(cfg.seed), work, cfg, out, "target", stop_after)
+
+
+def pretrain(model, work: Path, cfg: OptimConfig, out: Path, stage: str, stop_after=None):
+    """Next-token training on random windows of the corpus (a pure function of
+    the step: resumes exactly); ``out/final`` when done, None if stopped early."""
+    stream = np.load(work / "data" / "train_tokens.npy")
     model.train()
     T, B = TARGET_SEQ_LEN, TARGET_BATCH
 
@@ -240,12 +259,24 @@ def stage_target(work: Path, steps=None, stop_after=None, from_scratch=False) ->
         x = np.stack([stream[s : s + T + 1] for s in starts])
         return mx.array(x[:, :-1]), mx.array(x[:, 1:]), B * T
 
-    summary = fit(model, lm_loss, batch, cfg, out, extra={"stage": "target"}, stop_after=stop_after)
+    summary = fit(model, lm_loss, batch, cfg, out, extra={"stage": stage}, stop_after=stop_after)
     if summary["step"] < cfg.steps:
-        print(f"target: stopped at step {summary['step']}/{cfg.steps}", file=sys.stderr)
+        print(f"{stage}: stopped at step {summary['step']}/{cfg.steps}", file=sys.stderr)
         return None
-    save_target(model, final, work)
-    return final
+    save_target(model, out / "final", work)
+    return out / "final"
+
+
+def stage_extend(work: Path, stop_after=None):
+    """The target's pretraining continued for EXTEND_OPTIM.steps more steps
+    (a fresh warm-up and cosine, other windows): the first 1000 steps saw the
+    corpus about once, and greedy decoding of so young a model loops."""
+    out = work / "target_extended"
+    if (out / "final" / "config.json").is_file():
+        return out / "final"
+    model = build_target(EXTEND_OPTIM.seed)
+    model.load_weights(str(work / "target" / "final" / "model.safetensors"))
+    return pretrain(model, work, EXTEND_OPTIM, out, "extend", stop_after)
 
 
 def save_target(model, path: Path, work: Path) -> None:
@@ -328,9 +359,9 @@ DRAFT_OPTIM = OptimConfig(
 def stage_draft(work: Path, stop_after=None):
     from dflash_mlx.train import DraftTrainConfig, train_draft
 
-    target = work / "target" / "final"
+    target = work / "target_extended" / "final"
     if not (target / "config.json").is_file():
-        raise SystemExit("train the target first: make_demo_pair.py target")
+        raise SystemExit("train the target first: make_demo_pair.py target, then extend")
     final = work / "draft" / "draft"
     if (final / "config.json").is_file():
         return final
@@ -347,7 +378,7 @@ def stage_draft(work: Path, stop_after=None):
 def stage_install(work: Path) -> Path:
     """Copy the final pair into the package (dflash_mlx/demo_pair)."""
     dest = INSTALLED
-    target, draft = work / "target" / "final", work / "draft" / "draft"
+    target, draft = work / "target_extended" / "final", work / "draft" / "draft"
     if not (target / "config.json").is_file():
         raise SystemExit(f"{target} is missing; run the earlier stages first")
     for src, name in ((target, "target"), (draft, "draft")):
@@ -368,7 +399,7 @@ def stage_install(work: Path) -> Path:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["tokenizer", "data", "target", "prompts", "draft", "install", "all"])
+    ap.add_argument("stage", choices=["tokenizer", "data", "target", "extend", "prompts", "draft", "install", "all"])
     ap.add_argument("--work", default="demo_work", help="Working directory (git-ignored).")
     ap.add_argument("--stop-after", type=int, default=None, help="Stop a training stage after N steps.")
     ap.add_argument("--from-scratch", action="store_true",
@@ -376,7 +407,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    stages = ["tokenizer", "data", "target", "prompts", "draft", "install"] if args.stage == "all" else [args.stage]
+    stages = ["tokenizer", "data", "target", "extend", "prompts", "draft", "install"] if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "tokenizer":
             stage_tokenizer(work)
@@ -384,6 +415,9 @@ def main(argv=None):
             stage_data(work)
         elif stage == "target":
             if stage_target(work, stop_after=args.stop_after, from_scratch=args.from_scratch) is None:
+                return 1
+        elif stage == "extend":
+            if stage_extend(work, stop_after=args.stop_after) is None:
                 return 1
         elif stage == "prompts":
             stage_prompts(work)
