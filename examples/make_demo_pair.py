@@ -32,6 +32,7 @@ import json
 import shutil
 import sys
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -98,19 +99,8 @@ TARGET_OPTIM = OptimConfig(
     log_every=5,
     seed=0,
 )
-
-EXTEND_OPTIM = OptimConfig(
-    steps=3000,
-    learning_rate=1e-3,
-    warmup_steps=50,
-    min_lr_ratio=0.05,
-    weight_decay=0.1,
-    grad_clip=1.0,
-    checkpoint_every=20,
-    keep_checkpoints=2,
-    log_every=5,
-    seed=1,  # other windows than the target stage's
-)
+EXTEND_OPTIM = replace(TARGET_OPTIM, steps=3000, learning_rate=1e-3, warmup_steps=50,
+                       seed=1)  # seed: other windows than the target stage's
 
 
 def stdlib_files() -> list[Path]:

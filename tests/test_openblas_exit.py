@@ -47,14 +47,20 @@ runpy.run_module("dflash_mlx", run_name="__main__")
 
 
 def test_generate_exits_with_mlx_work_in_flight():
+    run = exits(LAUNCH)
+    assert run.stdout.strip() and "generation: 8 tokens" in run.stderr
+
+
+def exits(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` under OpenBLAS; fail unless it exits, with status 0, within 120 s."""
     # two OpenBLAS threads even on a one-CPU runner: the hang needs a worker thread
     env = {**os.environ, "LD_PRELOAD": OPENBLAS_LIB, "OPENBLAS_NUM_THREADS": "2"}
     try:
-        run = subprocess.run([sys.executable, "-c", LAUNCH], env=env, capture_output=True, text=True, timeout=120)
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"still running after 120 s; its stderr:\n{e.stderr}")
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() and "generation: 8 tokens" in run.stderr
+    return run
 
 
 LIBRARY = """
@@ -83,10 +89,4 @@ print(len(result.tokens))
 def test_a_library_caller_exits_after_generate_returns():
     """No atexit hook here: ``stream_generate`` itself waits for the draft it
     queued after the last cycle (each draft here carries a second or so of BLAS work)."""
-    env = {**os.environ, "LD_PRELOAD": OPENBLAS_LIB, "OPENBLAS_NUM_THREADS": "2"}
-    try:
-        run = subprocess.run([sys.executable, "-c", LIBRARY], env=env, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"still running after 120 s; its stderr:\n{e.stderr}")
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "8"
+    assert exits(LIBRARY).stdout.strip() == "8"

@@ -280,21 +280,15 @@ def test_serve_options_are_checked_before_loading(options, message):
     assert result.exit_code == 1 and message in result.output
 
 
-def test_a_block_size_the_draft_cannot_take_stops_the_server_at_startup(pair_dirs):
+@pytest.mark.parametrize("option, message", [
+    (["--block-size", "1000"], "error: block_size"),
+    (["--draft-vocab", "64"], "error: a reduced drafting vocabulary needs a ranking"),  # none beside the draft
+])
+def test_an_option_the_pair_cannot_take_stops_the_server_at_startup(pair_dirs, option, message):
     target, draft = pair_dirs
     result = subprocess.run(
         [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target), "--draft", str(draft),
-         "--port", str(free_port()), "--block-size", "1000"],
+         "--port", str(free_port()), *option],
         capture_output=True, text=True, timeout=120, env=os.environ | {"HF_HUB_OFFLINE": "1"},
     )
-    assert result.returncode == 1 and "error: block_size" in result.stderr
-
-
-def test_a_draft_vocab_without_a_ranking_stops_the_server_at_startup(pair_dirs):
-    target, draft = pair_dirs
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target), "--draft", str(draft),
-         "--port", str(free_port()), "--draft-vocab", "64"],
-        capture_output=True, text=True, timeout=120, env=os.environ | {"HF_HUB_OFFLINE": "1"},
-    )
-    assert result.returncode == 1 and "error: a reduced drafting vocabulary needs a ranking" in result.stderr
+    assert result.returncode == 1 and message in result.stderr
