@@ -35,7 +35,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_update
 from test_kernels_gdn import Counting
-from test_tree_loop import BLOCK, TreeOracle, assert_cache_close_to_fresh_feed, run
+from test_tree_loop import BLOCK, assert_cache_close_to_fresh_feed, oracle_cycles, run
 
 from dflash_mlx import Target, kernels, load_draft, tree_gated_delta
 from dflash_mlx.decoder import DraftProposer
@@ -327,14 +327,7 @@ def test_tree_walks_to_every_depth_with_the_kernels_emulated():
     with kernels.use_backend(counting.backend):
         for stop in (0, 1, 4, BLOCK - 1):
             second = {0, stop - 1} if stop > 1 else set()
-            oracle = TreeOracle(len(prompt), continuation, stop, second, target.vocab_size)
-            decoder = TreeDecoder(target, oracle, [0], BLOCK, 32, prefill_step_size=3)
-            out = [decoder.prefill(mx.array(prompt))]
-            for _ in range(2):
-                cycle = decoder.cycle()
-                assert cycle.accepted == stop
-                out += cycle.tokens
-                assert out == continuation[: len(out)]
+            for decoder, out in oracle_cycles(target, prompt, continuation, stop, second):
                 assert_cache_close_to_fresh_feed(target, decoder.cache, prompt + out[:-1])
     assert counting.launches["gdn_tree_verify"] > 0 and counting.launches["gdn_verify"] > 0
 

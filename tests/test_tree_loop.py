@@ -114,6 +114,21 @@ class TreeOracle:
         return mx.stack(rows)
 
 
+def oracle_cycles(target, prompt, continuation, stop, second, block=BLOCK, budget=32, cycles=2, **options):
+    """Tree cycles drafted by a ``TreeOracle``: each must accept exactly ``stop``
+    tokens and keep the output on ``continuation``; yields (decoder, output so
+    far) after every cycle for further checks."""
+    oracle = TreeOracle(len(prompt), continuation, stop, second, target.vocab_size)
+    decoder = TreeDecoder(target, oracle, [0], block, budget, **{"prefill_step_size": 3, **options})
+    out = [decoder.prefill(mx.array(prompt))]
+    for _ in range(cycles):
+        cycle = decoder.cycle()
+        assert cycle.accepted == stop
+        out += cycle.tokens
+        assert out == continuation[: len(out)]
+        yield decoder, out
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_moe", "qwen3_5"])
 def test_tree_walk_follows_non_first_children_to_every_depth(loaded, family):
     model, tokenizer, _ = loaded[family]
@@ -121,16 +136,9 @@ def test_tree_walk_follows_non_first_children_to_every_depth(loaded, family):
     prompt = tokenizer.encode("the quick brown fox")
     continuation = chain.greedy_reference(model, prompt, 3 * BLOCK + 2)
     budget = 32
-    for stop in range(BLOCK):
+    for stop in range(BLOCK):  # the path leaves the first child at depths 1 and stop
         second = {0, stop - 1} if stop > 1 else set()
-        oracle = TreeOracle(len(prompt), continuation, stop, second, target.vocab_size)
-        decoder = TreeDecoder(target, oracle, [0], BLOCK, budget, prefill_step_size=3)
-        out = [decoder.prefill(mx.array(prompt))]
-        for _ in range(2):
-            cycle = decoder.cycle()
-            assert cycle.accepted == stop  # the path left the first child at depths 1 and stop
-            out += cycle.tokens
-            assert out == continuation[: len(out)]
+        for decoder, out in oracle_cycles(target, prompt, continuation, stop, second, budget=budget):
             assert_cache_close_to_fresh_feed(target, decoder.cache, prompt + out[:-1])
             assert decoder.tokens == prompt + out[:-1]
 
@@ -203,14 +211,7 @@ def test_logits_processors_see_each_nodes_own_path(loaded):
     assert continuation != chain.greedy_reference(model, prompt, 3 * BLOCK + 2)  # the penalty bites
     sampler = lambda: BlockSampler(SamplingParams(repetition_penalty=3.0, repetition_context_size=6))
     for stop in [3, BLOCK - 1]:
-        oracle = TreeOracle(len(prompt), continuation, stop, {0, stop - 1}, target.vocab_size)
-        decoder = TreeDecoder(target, oracle, [0], BLOCK, 32, prefill_step_size=3, sampler=sampler())
-        out = [decoder.prefill(mx.array(prompt))]
-        for _ in range(2):
-            cycle = decoder.cycle()
-            assert cycle.accepted == stop
-            out += cycle.tokens
-            assert out == continuation[: len(out)]
+        list(oracle_cycles(target, prompt, continuation, stop, {0, stop - 1}, sampler=sampler()))
 
 
 def test_a_quantized_kv_cache_is_compacted_to_the_path(tmp_path):
@@ -226,16 +227,8 @@ def test_a_quantized_kv_cache_is_compacted_to_the_path(tmp_path):
     prompt = tokenizer.encode("the quick brown fox")
     continuation = chain.greedy_reference(model, prompt, 3 * BLOCK + 2)
     for stop in [0, 2, 5, BLOCK - 1]:
-        oracle = TreeOracle(len(prompt), continuation, stop, {0, stop - 1} if stop > 1 else set(),
-                            target.vocab_size)
-        decoder = TreeDecoder(target, oracle, [0], BLOCK, 32, prefill_step_size=3)
-        assert all(type(c) is QuantizedKVCache for c in decoder.cache)
-        out = [decoder.prefill(mx.array(prompt))]
-        for _ in range(2):
-            cycle = decoder.cycle()
-            assert cycle.accepted == stop
-            out += cycle.tokens
-            assert out == continuation[: len(out)]
+        for decoder, out in oracle_cycles(target, prompt, continuation, stop, {0, stop - 1} if stop > 1 else set()):
+            assert all(type(c) is QuantizedKVCache for c in decoder.cache)
             assert all(c.offset == len(prompt) + len(out) - 1 for c in decoder.cache)
 
 
@@ -256,14 +249,7 @@ def test_a_quantized_targets_tree_pass_runs_its_matmuls_through_the_verify_kerne
     continuation = chain.greedy_reference(model, prompt, 2 * 8 + 2)
     counting = Counting()
     with kernels.use_backend(counting.backend):
-        decoder = TreeDecoder(target, TreeOracle(len(prompt), continuation, 3, {0, 2}, target.vocab_size),
-                              [0], 8, 16, prefill_step_size=64)
-        out = [decoder.prefill(mx.array(prompt))]
-        before = counting.launches.get("qmm_verify", 0)
-        for _ in range(2):
-            cycle = decoder.cycle()
-            assert cycle.accepted == 3
-            out += cycle.tokens
-    assert out == continuation[: len(out)]
-    # per cycle: every swapped layer of the pass plus the LM head (the head alone would be 1)
-    assert counting.launches["qmm_verify"] - before >= 2 * (quantized_linears + 1)
+        list(oracle_cycles(target, prompt, continuation, 3, {0, 2}, block=8, budget=16, prefill_step_size=64))
+    # per cycle: every swapped layer of the pass plus the LM head; the prefill
+    # adds its logits row only (without the tree pass's swap: 3 launches in all)
+    assert counting.launches["qmm_verify"] >= 2 * (quantized_linears + 1)
