@@ -362,14 +362,20 @@ def test_cli_predict_and_errors(tmp_path):
         assert res.exit_code == 1 and msg in res.output, (args, res.output)
 
 
-def test_cli_bench_end_to_end(target_dirs, draft_dir, tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS))
-    out = tmp_path / "r.json"
+def bench_tiny_pair(target_dirs, draft_dir, tmp_path, prompts, *options):
+    """``dflash-mlx bench`` on the tiny qwen3 pair (draft trained at block 4),
+    no warm-up; (CLI result, path of its JSON report)."""
+    path, out = tmp_path / "p.jsonl", tmp_path / "r.json"
+    path.write_text("\n".join(json.dumps(p) for p in prompts))
     res = CliRunner().invoke(app, [
         "bench", "--model", str(target_dirs["qwen3"]), "--draft", str(draft_dir("qwen3", block_size=4)),
-        "--prompts", str(prompts), "-n", "6", "-b", "4", "--no-warmup", "--json", str(out)])
+        "--prompts", str(path), "--no-warmup", "--json", str(out), *options])
     assert res.exit_code == 0, res.output
+    return res, out
+
+
+def test_cli_bench_end_to_end(target_dirs, draft_dir, tmp_path):
+    res, out = bench_tiny_pair(target_dirs, draft_dir, tmp_path, PROMPTS, "-n", "6", "-b", "4")
     written = report.read_report(out)
     assert written["config"]["block_sizes"] == [4] and written["config"]["dtype"] in ("float32", "checkpoint")
     assert written["summary"]["dflash"]["4"]["identical"] == 2

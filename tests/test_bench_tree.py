@@ -8,24 +8,19 @@ import json
 import shutil
 
 import pytest
+from test_bench import PROMPTS, bench_tiny_pair
 from test_cli_errors import assert_one_error, dflash
 from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError
 from dflash_mlx.bench import cost_model as cm
-from dflash_mlx.bench import report, runs, summary
+from dflash_mlx.bench import report, runs
 from dflash_mlx.bench.chips import Chip
 from dflash_mlx.bench.command import parse_tree_budgets
 from dflash_mlx.bench.render import plot, render
 from dflash_mlx.bench.schedule import Arm, arms
 from dflash_mlx.cli import app
 from dflash_mlx.demo import demo_pair
-
-PROMPTS = [
-    {"id": "a", "category": "math", "prompt": "the quick brown fox jumps over the lazy dog"},
-    {"id": "b", "category": "chat", "prompt": "hello world what is the capital of france"},
-]
-
 
 def _rendered(made: dict) -> str:
     from rich.console import Console
@@ -151,14 +146,8 @@ def test_reports_without_tree_arms_still_validate_and_render(tree_report):
 
 
 def test_cli_runs_tree_arms_and_predicts_from_them(target_dirs, draft_dir, tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS))
-    out = tmp_path / "r.json"
-    res = CliRunner().invoke(app, [
-        "bench", "--model", str(target_dirs["qwen3"]), "--draft", str(draft_dir("qwen3", block_size=4)),
-        "--prompts", str(prompts), "-n", "8", "-b", "2,4", "--tree-budget", "0,3", "--no-warmup",
-        "--json", str(out)])
-    assert res.exit_code == 0, res.output
+    res, out = bench_tiny_pair(target_dirs, draft_dir, tmp_path, PROMPTS, "-n", "8", "-b", "2,4",
+                               "--tree-budget", "0,3")
     assert "DDTree B=3 b=2" in res.output
     written = report.read_report(out)
     config = written["config"]
@@ -177,13 +166,7 @@ def test_cli_runs_tree_arms_and_predicts_from_them(target_dirs, draft_dir, tmp_p
 
 
 def test_cli_tree_arm_at_the_trained_block_when_only_auto(target_dirs, draft_dir, tmp_path):
-    out = tmp_path / "r.json"
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps(PROMPTS[0]))
-    res = CliRunner().invoke(app, [
-        "bench", "--model", str(target_dirs["qwen3"]), "--draft", str(draft_dir("qwen3", block_size=4)),
-        "--prompts", str(prompts), "-n", "6", "--tree-budget", "5", "--no-warmup", "--json", str(out)])
-    assert res.exit_code == 0, res.output
+    _, out = bench_tiny_pair(target_dirs, draft_dir, tmp_path, PROMPTS[:1], "-n", "6", "--tree-budget", "5")
     written = report.read_report(out)
     assert written["config"]["block_sizes"] == ["auto"] and written["config"]["tree_block_size"] == 4
     assert written["summary"]["dflash"]["tree5@4"]["identical"] == 1
