@@ -32,11 +32,11 @@ def _step(q, k, v, g, beta, state):
     return (state * q).sum(axis=-1), state
 
 
-def _per_step(x: mx.array) -> list[mx.array]:
-    """x [B, T, ...] as T arrays [B, ...]: one split of a time-major copy."""
+def _per_step(x: mx.array, shape: tuple) -> list[mx.array]:
+    """x [B, T, ...] as T arrays [B, *shape]: one split of a time-major copy."""
     B, T = x.shape[:2]
-    time_major = x.reshape(T, *x.shape[2:]) if B == 1 else mx.contiguous(mx.moveaxis(x, 1, 0))
-    time_major = time_major.reshape(T * B, *x.shape[2:])
+    time_major = x if B == 1 else mx.contiguous(mx.moveaxis(x, 1, 0))
+    time_major = time_major.reshape(T * B, *shape)
     return mx.split(time_major, T) if T > 1 else [time_major]
 
 
@@ -47,13 +47,13 @@ def steps(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, st
     after every, 2*every, ... steps, and after the last step."""
     if g.ndim != 3:
         raise ValueError(f"scalar gating only: g must be [B, T, Hv], got {tuple(g.shape)}")
-    T, Hk = k.shape[1:3]
-    Hv = v.shape[2]
+    T, Hk, Hv = k.shape[1], k.shape[2], v.shape[2]
     if Hv > Hk:  # as gated_delta_ops repeats the key heads
         q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
-    shaped = (q[..., None, :], k[..., None, :], v, g[..., None, None], beta[..., None])
+    Dk, Dv = k.shape[3], v.shape[3]
+    shapes = ((Hv, 1, Dk), (Hv, 1, Dk), (Hv, Dv), (Hv, 1, 1), (Hv, 1))
     ys, states = [], []
-    for t, inputs in enumerate(zip(*(_per_step(x) for x in shaped))):
+    for t, inputs in enumerate(zip(*(_per_step(x, shape) for x, shape in zip((q, k, v, g, beta), shapes)))):
         y, state = _step(*inputs, state)
         ys.append(y)
         if (t + 1) % every == 0 or t == T - 1:
