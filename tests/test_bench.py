@@ -342,7 +342,35 @@ def test_preset_prediction_brackets_published_9b():
     assert p.speedup_serial < published < p.speedup
 
 
+def test_a_reduced_drafting_vocabulary_reads_and_multiplies_its_share_of_the_head():
+    target, draft, _, tau = PRESETS["qwen3.5-9b"]
+    tp, dp = cm.target_profile(target), cm.draft_profile(draft)
+    full, reduced = dp.forward(tp, 16, 1024, tau), dp.forward(tp, 16, 1024, tau, head_share=0.125)
+    assert full.bytes - reduced.bytes == pytest.approx(0.875 * tp.head_bytes)
+    assert full.flops - reduced.flops == pytest.approx(0.875 * 15 * tp.head_flops)
+    (chip,) = find_chips(["M5 Max"])
+    faster = cm.predict(tp, dp, chip, tau, 16, head_share=0.125)
+    assert faster.draft_ms < cm.predict(tp, dp, chip, tau, 16).draft_ms
+    assert faster.verify_ms == cm.predict(tp, dp, chip, tau, 16).verify_ms  # verification keeps the full head
+
+
 # ---------------------------------------------------------------- CLI
+
+def test_cli_predict_draft_vocab(tmp_path):
+    runner = CliRunner()
+    speeds = {}
+    for vocab in (None, "32768"):
+        out = tmp_path / f"p{vocab}.json"
+        res = runner.invoke(app, ["bench", "--predict", "--preset", "qwen3.5-9b", "--chip", "M5 Max",
+                                  "-b", "16", "--json", str(out), *(["--draft-vocab", vocab] if vocab else [])])
+        assert res.exit_code == 0, res.output
+        written = json.loads(out.read_text())
+        assert written["draft_vocab"] == (int(vocab) if vocab else None)
+        speeds[vocab] = written["predictions"][0]["dflash_tps"]
+    assert "32768 of the LM head's 248320 rows" in res.output and speeds["32768"] > speeds[None]
+    res = runner.invoke(app, ["bench", "--predict", "--preset", "qwen3.5-9b", "--draft-vocab", "300000"])
+    assert res.exit_code == 1 and "at most the target's vocabulary size 248320" in res.output
+
 
 def test_cli_predict_and_errors(tmp_path):
     runner = CliRunner()

@@ -93,7 +93,8 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
         main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
                      block_sizes=sizes, tree_budgets=budgets, tree_tau=tree_tau, chips=chip,
                      context=context, dtype=None if dtype in ("auto", "keep") else dtype,
-                     neural=neural_accelerators, overhead_ms=overhead_ms, json_out=json_out)
+                     neural=neural_accelerators, overhead_ms=overhead_ms, json_out=json_out,
+                     draft_vocab=draft_vocab)
         return
     if tau is not None or tree_tau is not None or results or preset:
         raise DFlashError("--tau, --tree-tau, --results and --preset only apply with --predict")

@@ -118,18 +118,22 @@ class DraftProfile:
     window: Optional[int] = None  # sliding window of the sliding layers, if all are sliding
     weight_bytes: float = 0.0
 
-    def forward(self, target: TargetProfile, block: int, context: int, inject: float) -> Pass:
+    def forward(self, target: TargetProfile, block: int, context: int, inject: float,
+                head_share: float = 1.0) -> Pass:
+        """One draft pass over ``block`` positions; ``head_share``: the fraction
+        of the LM head's rows it multiplies by (a reduced drafting vocabulary)."""
         seen = context if self.window is None else min(context, self.window)
-        nbytes = (self.layer_bytes + target.head_bytes + block * target.embed_row_bytes
+        nbytes = (self.layer_bytes + head_share * target.head_bytes + block * target.embed_row_bytes
                   + self.kv_bytes_per_pos * (seen + inject))
-        flops = (block * self.layer_flops + (block - 1) * target.head_flops
+        flops = (block * self.layer_flops + (block - 1) * head_share * target.head_flops
                  + inject * self.inject_flops + block * self.attn_flops_per_pos * (seen + block))
         return Pass(nbytes, flops)
 
 
 # ---------------------------------------------------------------- from configs
 
-def _text(config: dict) -> dict:
+def text_config(config: dict) -> dict:
+    """The text model's part of a (possibly multimodal) config."""
     return config.get("text_config", config)
 
 
@@ -139,7 +143,7 @@ def context_length(config: dict) -> Optional[int]:
 
 
 def _dtype_bytes(config: dict, dtype: Optional[str]) -> int:
-    name = dtype or config.get("torch_dtype") or config.get("dtype") or _text(config).get("dtype") or "bfloat16"
+    name = dtype or config.get("torch_dtype") or config.get("dtype") or text_config(config).get("dtype") or "bfloat16"
     return DTYPE_BYTES.get(str(name).replace("torch.", ""), 2)
 
 
@@ -189,7 +193,7 @@ def _build_target(config: dict):
 def target_profile(config: dict, dtype: Optional[str] = None) -> TargetProfile:
     """Costs of a target from its config.json (weights are never read)."""
     model = _build_target(config)
-    text = _text(config)
+    text = text_config(config)
     nbytes = _dtype_bytes(config, dtype)
     shapes, quantizable, _ = _lazy_modules(model)
     size = _sizer(config.get("quantization") or text.get("quantization"), nbytes, quantizable)
@@ -319,9 +323,10 @@ class Prediction:
 
 def predict(target: TargetProfile, draft: DraftProfile, chip: Chip, tau: float, block_size: int,
             context: int = 1024, overhead_ms: float = 0.0, neural: bool = False,
-            tree_budget: Optional[int] = None) -> Prediction:
+            tree_budget: Optional[int] = None, head_share: float = 1.0) -> Prediction:
     """Expected autoregressive and DFlash decode speed on ``chip``: the chain of
-    ``block_size``, or with ``tree_budget`` B a DDTree of B nodes b-1 deep."""
+    ``block_size``, or with ``tree_budget`` B a DDTree of B nodes b-1 deep;
+    the draft multiplies by ``head_share`` of the LM head's rows."""
     if block_size < 2:
         raise DFlashError(f"block_size must be at least 2, got {block_size}")
     if not 1.0 <= tau <= block_size:
@@ -332,7 +337,7 @@ def predict(target: TargetProfile, draft: DraftProfile, chip: Chip, tau: float, 
         verify = target.forward(block_size, context, block_size)
     else:
         verify = target.forward(tree_budget + 1, context, tree_budget + 1, state_moves=3)
-    drafting = draft.forward(target, block_size, context, tau)
+    drafting = draft.forward(target, block_size, context, tau, head_share)
     times = {}
     for overlap in (True, False):
         t_step = step.seconds(chip, overlap, neural) + over

@@ -51,7 +51,8 @@ def _tree_arms(budgets: list[int], block_sizes: Optional[list[int]], measured: O
 
 
 def _print(out, rows: list[dict], arms: list[Arm], tp, dp, names: tuple[str, str], context: int,
-           neural: bool, preset: Optional[str], published: Optional[float]) -> None:
+           neural: bool, preset: Optional[str], published: Optional[float],
+           draft_vocab: tuple[Optional[int], int]) -> None:
     from rich.table import Table
 
     best = {}
@@ -63,8 +64,11 @@ def _print(out, rows: list[dict], arms: list[Arm], tp, dp, names: tuple[str, str
     gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
     out.print(f"target {names[0]}: {tp.params / 1e9:.2f} B parameters, {gb(tp.weight_bytes)} of weights; "
               f"an autoregressive step reads {gb(tp.forward(1, context, 1).bytes)}")
+    rows_used, vocab = draft_vocab
+    head = (f"the target's LM head, {gb(tp.head_bytes)}" if rows_used is None else
+            f"{rows_used} of the LM head's {vocab} rows (--draft-vocab), {gb(tp.head_bytes * rows_used / vocab)}")
     out.print(f"draft  {names[1]}: {dp.params / 1e9:.2f} B parameters, {gb(dp.weight_bytes)} "
-              f"(+ the target's LM head, {gb(tp.head_bytes)}, read every cycle)")
+              f"(+ {head}, read every cycle)")
     t = Table(title=f"predicted decode speed at {context} tokens of context"
                     + (" (M5 at the claimed Neural Accelerator rate)" if neural else ""))
     columns = ["chip", "GB/s", "TFLOPS", "arm", "tau", "mlx-lm tok/s", "DFlash tok/s", "speedup",
@@ -97,11 +101,13 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
                  tau: Optional[float], results: Optional[str], block_sizes: Optional[list[int]],
                  chips: Optional[list[str]], context: int, dtype: Optional[str], neural: bool,
                  overhead_ms: float, json_out: Optional[str], tree_budgets: Optional[list[int]] = None,
-                 tree_tau: Optional[float] = None, out=None, err=None) -> dict:
+                 tree_tau: Optional[float] = None, draft_vocab: Optional[int] = None,
+                 out=None, err=None) -> dict:
     """Predict, print the table and return (and with ``json_out`` write) the report.
     ``dtype`` None keeps the checkpoints' own. A tree arm's tau is ``tree_tau``,
     else the one measured in ``results`` for that budget and block, else the
-    chain's at its block (no gain: the table then shows what the tree costs)."""
+    chain's at its block (no gain: the table then shows what the tree costs).
+    ``draft_vocab`` N: the draft multiplies by N of the LM head's rows."""
     out = out or console()
     err = err or console(stderr=True)
     validate.integer(context, "--context", low=0)
@@ -117,6 +123,10 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
     for budget in tree_budgets or []:
         validate.tree_budget(budget, cm.context_length(target_cfg), "--tree-budget")
     tp, dp = cm.target_profile(target_cfg, dtype), cm.draft_profile(draft_cfg, dtype)
+    vocab = int(cm.text_config(target_cfg)["vocab_size"])
+    if draft_vocab is not None and validate.integer(draft_vocab, "--draft-vocab", low=1) > vocab:
+        raise DFlashError(f"--draft-vocab must be at most the target's vocabulary size {vocab}, got {draft_vocab}")
+    share = 1.0 if draft_vocab is None else draft_vocab / vocab
     trained = DraftConfig.from_dict(draft_cfg).block_size
 
     # tau per block size: given, measured (with its per-position acceptance), or the preset's
@@ -159,7 +169,7 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
         for arm in arms:
             b = arm.block_size
             t, kind = chain_tau(b)
-            chain = cm.predict(tp, dp, chip, t, b, context, overhead_ms, neural)
+            chain = cm.predict(tp, dp, chip, t, b, context, overhead_ms, neural, head_share=share)
             if arm.tree_budget is None:
                 rows.append(_row(chain, chip, kind))
                 continue
@@ -169,14 +179,16 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
                 t, kind = measured_trees[arm.tree_budget, b], f"measured ({results})"
             else:
                 kind = f"the chain's at b={b} ({kind}): no tree gain assumed"
-            pred = cm.predict(tp, dp, chip, t, b, context, overhead_ms, neural, tree_budget=arm.tree_budget)
+            pred = cm.predict(tp, dp, chip, t, b, context, overhead_ms, neural, tree_budget=arm.tree_budget,
+                              head_share=share)
             rows.append(_row(pred, chip, kind, vs_chain=pred.dflash_tps / chain.dflash_tps,
                              break_even_tau=pred.tau * chain.dflash_tps / pred.dflash_tps))
-    _print(out, rows, arms, tp, dp, names, context, neural, preset, published)
+    _print(out, rows, arms, tp, dp, names, context, neural, preset, published, (draft_vocab, vocab))
     report = {"schema": "dflash-mlx-predict", "schema_version": 1,
               "target": {"name": names[0], "params": tp.params, "weight_bytes": tp.weight_bytes},
               "draft": {"name": names[1], "params": dp.params, "weight_bytes": dp.weight_bytes},
               "context": context, "neural_accelerators": neural, "overhead_ms": overhead_ms,
+              "draft_vocab": draft_vocab,
               "published_speedup": published, "predictions": rows,
               "chips": [{"name": c.name, "gpu_cores": c.gpu_cores, "bandwidth_gbs": c.bandwidth_gbs,
                          "fp32_tflops": c.fp32_tflops, "neural_tflops": c.neural_tflops,
