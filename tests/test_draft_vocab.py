@@ -13,12 +13,13 @@ import test_loop as chain
 import test_sampling as sampled
 from checkpoints import build_target
 from mlx_lm import load as mlx_lm_load
-from test_cli_errors import assert_one_error, dflash
-from test_sampling import model  # noqa: F401 (the fixture: a tiny hybrid with 16 ids)
+from typer.testing import CliRunner
+from test_sampling import model  # noqa: F401,F811 (the fixture: a tiny hybrid with 16 ids)
 
 from dflash_mlx import Target, generate, load_draft
 from dflash_mlx.decoder import DraftProposer
 from dflash_mlx.draft_vocab import RANKING_FILE, SubsetHead, rank_tokens, read_ranking, subset_head, write_ranking
+from dflash_mlx.cli import app
 from dflash_mlx.errors import DFlashError
 
 
@@ -125,12 +126,18 @@ class SubsetProposer(sampled.NoisyTargetProposer):
 @pytest.mark.parametrize("name", ["topp0.9"])
 def test_sampling_with_a_reduced_vocabulary_follows_the_targets_distribution(model, name):  # noqa: F811
     params = sampled.CONFIGS[name]
-    tokens, accepted = sampled.sample(model, params, proposer=SubsetProposer)
+    tokens, accepted = sampled.sample(model, params, proposer=SubsetProposer, runs=500)
     for position, p in sampled.pvalues(tokens, sampled.exact_joint(model, params)).items():
         assert p > sampled.ALPHA, f"{name}: {position} deviates from the target (p = {p:.2e})"
     outside = np.setdiff1d(np.arange(sampled.V), np.array(SubsetProposer.IDS))
     assert np.isin(tokens[:, 1:], outside).any(), "tokens outside the subset must still be emitted"
     assert (accepted >= 1).mean() > 0.2, "drafts must often be accepted for this to bite"
+
+
+def cli(*args):
+    """(exit code, output) of the CLI run in-process."""
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    return res.exit_code, res.output
 
 
 def test_draft_vocab_command_then_generate(tmp_path, target_dirs, draft_dir):
@@ -139,14 +146,27 @@ def test_draft_vocab_command_then_generate(tmp_path, target_dirs, draft_dir):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 20)
     target = target_dirs["qwen3"]
-    code, _, err = dflash("draft-vocab", "-m", target, "-d", draft, corpus, cwd=tmp_path)
-    assert code == 0 and f"wrote {draft / RANKING_FILE}" in err, err
-    code, out, err = dflash("generate", "-m", target, "-d", draft, "-p", "the quick", "-n", "12",
-                            "--no-chat-template", "--draft-vocab", "16", cwd=tmp_path)
-    assert code == 0 and "tau" in err, err
-    assert_one_error(dflash("generate", "-m", target, "-d", draft, "-p", "x", "--draft-vocab", "100000",
-                            cwd=tmp_path), "the drafting vocabulary must be from 1 to the vocabulary size")
-    assert_one_error(dflash("generate", "-m", target, "-d", draft_dir("qwen3"), "-p", "x", "--draft-vocab", "8",
-                            cwd=tmp_path), "needs a ranking beside the draft")
-    assert_one_error(dflash("draft-vocab", "-m", target, "-d", draft, tmp_path / "missing", cwd=tmp_path),
-                     "corpus path")
+    code, out = cli("draft-vocab", "-m", target, "-d", draft, corpus)
+    assert code == 0 and f"wrote {draft / RANKING_FILE}" in out, out
+    ids = tokenize(target, corpus.read_text())
+    ranking = read_ranking(draft)
+    assert set(ranking[: len(set(ids))].tolist()) == set(ids)  # every id the corpus holds, ahead of the unseen
+    assert ranking[0] == np.argmax(np.bincount(ids))
+    code, out = cli("generate", "-m", target, "-d", draft, "-p", "the quick", "-n", "12",
+                    "--no-chat-template", "--draft-vocab", "16")
+    assert code == 0 and "tau" in out, out
+    for args, message in (
+        (["generate", "-m", target, "-d", draft, "-p", "x", "--draft-vocab", "100000"],
+         "error: the drafting vocabulary must be from 1 to the vocabulary size"),
+        (["generate", "-m", target, "-d", draft_dir("qwen3"), "-p", "x", "--draft-vocab", "8"],
+         "error: a reduced drafting vocabulary needs a ranking beside the draft"),
+        (["draft-vocab", "-m", target, "-d", draft, tmp_path / "missing"], "error: corpus path"),
+    ):
+        code, out = cli(*args)
+        assert code == 1 and message in out and "Traceback" not in out, out
+
+
+def tokenize(target, text):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(target).encode(text)
