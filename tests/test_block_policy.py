@@ -16,8 +16,8 @@ from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generat
 from dflash_mlx.block_policy import PROBE_EVERY, AdaptiveBlock, FixedBlock
 from dflash_mlx.cost_curve import CostCurve
 from dflash_mlx.decoder import SpeculativeDecoder
-from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
-from scipy.stats import chisquare
+from dflash_mlx.sampling import BlockSampler, SamplingParams
+import test_sampling as sampled
 from test_loop import assert_same_or_near_tie, greedy_reference
 
 # a verify pass costs 1 + b/10, a draft pass 0.3 + b/20 (arbitrary units)
@@ -246,53 +246,8 @@ def test_block_size_takes_auto_or_an_integer(qwen3_5, value, message):
         next(stream_generate(model, draft, tokenizer, "hello", block_size=value))
 
 
-V, PROMPT, RUNS, POSITIONS = 16, [3, 7, 1, 9, 4, 12], 1200, 4
+RUNS = 1200
 ALPHA = 1e-3 / 3  # three chi-square tests; the false-failure rate stays <= 1e-3
-
-
-class NoisyTargetProposer:
-    """q_i: the target's own logits along its greedy path from y, flattened by
-    0.8: close to p but never equal, so blocks are often accepted deep."""
-
-    def __init__(self, model, memo):
-        self.model, self.memo, self.history = model, memo, []
-
-    def observe(self, features, tokens):
-        self.history += tokens.tolist()
-
-    def propose(self, y, block_size):
-        context = tuple(self.history + y.tolist())
-        if (context, block_size) not in self.memo:
-            seq, rows = list(context), []
-            for _ in range(block_size - 1):
-                logits = self.model(mx.array(seq)[None])[0, -1]
-                rows.append(0.8 * logits)
-                seq.append(mx.argmax(logits).item())
-            self.memo[context, block_size] = mx.stack(rows)
-        return self.memo[context, block_size]
-
-
-def exact_joint(model, params):
-    """P(x1..x4) [V]*4, enumerated from the target's forward passes."""
-    prefixes, probs = [[]], np.ones(1)
-    for _ in range(POSITIONS):
-        logits = model(mx.array([PROMPT + p for p in prefixes]))[:, -1]
-        cond = np.exp(np.array(warp(logits, params), dtype=np.float64))
-        probs = (probs[:, None] * cond).reshape(-1)
-        prefixes = [p + [v] for p in prefixes for v in range(V)]
-    return probs.reshape([V] * POSITIONS)
-
-
-def chi2_pvalue(samples, probs):
-    """Goodness of fit of rows of category indices to ``probs`` (bins below 5 expected pooled)."""
-    counts = np.bincount(np.ravel_multi_index(samples.T, probs.shape), minlength=probs.size)
-    probs = probs.reshape(-1) / probs.sum()
-    assert counts[probs == 0].sum() == 0, "sampled a token outside the target's support"
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    return chisquare(obs[exp > 0], exp[exp > 0]).pvalue
 
 
 @pytest.mark.parametrize("policy_name", ["auto", "plain"])
@@ -300,7 +255,7 @@ def test_auto_at_temperature_one_follows_the_targets_distribution(policy_name):
     """The chain's distribution check (as in tests/test_sampling.py) with the
     block chosen per cycle by one adaptive policy carried across all runs, so
     runs start from different blocks, 1 included; and with plain steps only."""
-    model, _ = build_target("qwen3_5", vocab_size=V, seed=3)
+    model, _ = build_target("qwen3_5", vocab_size=sampled.V, seed=3)
     inner = model.language_model.model
     inner.norm.weight = inner.norm.weight * 0.25
     target, memo = Target(model), {}
@@ -308,20 +263,20 @@ def test_auto_at_temperature_one_follows_the_targets_distribution(policy_name):
     policy = AdaptiveBlock(Linear(1.0, 0.4, 1.0), 4, probe_every=2) if policy_name == "auto" else FixedBlock(1)
     tokens, blocks = [], []
     for seed in range(RUNS):
-        decoder = SpeculativeDecoder(target, NoisyTargetProposer(model, memo), [0], policy,
+        decoder = SpeculativeDecoder(target, sampled.NoisyTargetProposer(model, params, memo), [0], policy,
                                      sampler=BlockSampler(replace(params, seed=seed)))
-        out = [decoder.prefill(mx.array(PROMPT))]
-        while len(out) < POSITIONS:
+        out = [decoder.prefill(mx.array(sampled.PROMPT))]
+        while len(out) < sampled.POSITIONS:
             blocks.append(decoder.block_size)
             out += decoder.cycle().tokens
-        tokens.append(out[:POSITIONS])
+        tokens.append(out[:sampled.POSITIONS])
     counts = np.bincount(blocks, minlength=5)
     if policy_name == "auto":
         assert counts[1] > 100 and counts[2:].sum() > 100, f"blocks used {counts}: too one-sided to bite"
-    tokens, joint = np.array(tokens), exact_joint(model, params)
-    marginal = lambda *keep: joint.sum(axis=tuple(j for j in range(POSITIONS) if j not in keep))  # noqa: E731
+    tokens, joint = np.array(tokens), sampled.exact_joint(model, params)
+    marginal = lambda *keep: joint.sum(axis=tuple(j for j in range(sampled.POSITIONS) if j not in keep))  # noqa: E731
     for cols in ([0, 1], [1, 2], [3]):
-        p = chi2_pvalue(tokens[:, cols], marginal(*cols))
+        p = sampled.chi2_pvalue(tokens[:, cols], marginal(*cols))
         assert p > ALPHA, f"x{cols}: p = {p:.2e}"
 
 

@@ -59,14 +59,19 @@ class NoisyTargetProposer:
 
     def propose(self, y, block_size):
         context = tuple(self.history + y.tolist())
-        if context not in self.memo:
+        if (context, block_size) not in self.memo:
             seq, rows = list(context), []
             for _ in range(block_size - 1):
-                logits = self.model(mx.array(seq)[None])[0, -1]
-                rows.append(0.8 * logits)
-                seq.append(mx.argmax(logits).item())
-            self.memo[context] = mx.stack(rows)
-        return self.memo[context]
+                row, token = self.row(seq)
+                rows.append(row)
+                seq.append(token)
+            self.memo[context, block_size] = mx.stack(rows)
+        return self.memo[context, block_size]
+
+    def row(self, seq):
+        """(proposal logits after ``seq``, the token the next row follows)."""
+        logits = self.model(mx.array(seq)[None])[0, -1]
+        return 0.8 * logits, mx.argmax(logits).item()
 
 
 class HalfMassProposer(NoisyTargetProposer):
@@ -80,26 +85,19 @@ class HalfMassProposer(NoisyTargetProposer):
         super().__init__(model, params, memo)
         self.params = params
 
-    def propose(self, y, block_size):
-        context = tuple(self.history + y.tolist())
-        if context not in self.memo:
-            seq, rows = list(context), []
-            for _ in range(block_size - 1):
-                logits = self.model(mx.array(seq)[None])[0, -1]
-                p = np.exp(np.array(warp(logits, self.params), dtype=np.float64))
-                order = [v for v in np.argsort(-p, kind="stable") if p[v] > 0]
-                kept = order[1:2]
-                for v in order[2:]:
-                    if p[kept].sum() >= 0.5:
-                        break
-                    kept.append(v)
-                kept = kept or order[:1]  # p is one token: propose it
-                outside = np.full(V, -np.inf, dtype=np.float32)
-                outside[kept] = 0.0
-                rows.append(logits + mx.array(outside))
-                seq.append(int(kept[0]))
-            self.memo[context] = mx.stack(rows)
-        return self.memo[context]
+    def row(self, seq):
+        logits = self.model(mx.array(seq)[None])[0, -1]
+        p = np.exp(np.array(warp(logits, self.params), dtype=np.float64))
+        order = [v for v in np.argsort(-p, kind="stable") if p[v] > 0]
+        kept = order[1:2]
+        for v in order[2:]:
+            if p[kept].sum() >= 0.5:
+                break
+            kept.append(v)
+        kept = kept or order[:1]  # p is one token: propose it
+        outside = np.full(V, -np.inf, dtype=np.float32)
+        outside[kept] = 0.0
+        return logits + mx.array(outside), int(kept[0])
 
 
 def block_rule(accept, residual):
