@@ -171,7 +171,7 @@ def stream_generate(
     tree_budget = validate.tree_budget(tree_budget, getattr(target.args, "max_position_embeddings", None))
     head = None
     if draft_vocab is not None:
-        head = subset_head(target, draft.vocab_ranking, validate.integer(draft_vocab, "draft_vocab"))
+        head = subset_head(target, draft.vocab_ranking, draft_vocab)  # an integer >= 1: checked above
     sampler = BlockSampler(
         SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,

@@ -5,7 +5,7 @@ from typing import Optional, Union
 
 from ..errors import DFlashError
 from ..registry import Pair, resolve_pair
-from ..validate import block_option
+from ..validate import block_option, options
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -23,8 +23,7 @@ def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache
         raise DFlashError(f"--prefix-cache-gb must be >= 0, got {prefix_cache_gb}")
     if block_size is not None:
         block_option(str(block_size), "--block-size")
-    if draft_vocab is not None and draft_vocab < 1:
-        raise DFlashError(f"--draft-vocab must be positive, got {draft_vocab}")
+    options({"draft_vocab": draft_vocab}, {"draft_vocab": "--draft-vocab"})
 
 
 def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_tokens_limit: int,
