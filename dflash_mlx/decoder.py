@@ -107,6 +107,8 @@ class SpeculativeDecoder:
         self.recent: list[int] = []  # committed tokens the logits processors may see
         self.pending: Optional[mx.array] = None  # y: chosen but not yet fed to the target
         self.drafted: Optional[mx.array] = None  # the proposal after y, already queued
+        self.queued: Optional[mx.array] = None  # b = 1: the token after y, its step already queued
+        self.unobserved: list[tuple[mx.array, mx.array]] = []  # plain steps' features and ids, not yet injected
         self.draft_logprobs: Optional[mx.array] = None  # q, when sampling
 
     def _remember(self, tokens: list[int]) -> None:
@@ -134,15 +136,59 @@ class SpeculativeDecoder:
     def _queue_draft(self) -> None:
         # start drafting the next block while the host streams this cycle's text
         self.block_size = self.policy.choose()
-        if self.block_size == 1:  # speculation off: verify y alone, no draft pass
+        if self.block_size == 1:  # speculation off: a plain target step, no draft pass
             self.drafted, self.draft_logprobs = self.no_draft
             return
+        self.catch_up()
         logits = self.proposer.propose(self.pending, self.block_size)
         self.drafted, self.draft_logprobs = self.sampler.draft(logits)
         mx.async_eval(self.drafted)
 
+    def _queue_next(self) -> None:
+        # the next cycle's work, started while the host streams this cycle's text
+        self._queue_draft()
+        if self.block_size == 1:
+            self._queue_plain_step()
+
+    def catch_up(self) -> None:
+        """Hand the proposer the features of the plain steps it has not seen,
+        in one batch (they wait until it next drafts, or generation ends)."""
+        if self.unobserved:
+            features, ids = zip(*self.unobserved)
+            self.proposer.observe(mx.concatenate(features, axis=1), mx.concatenate(ids))
+            self.unobserved = []
+
+    def close(self) -> None:
+        """Leave the proposer's cache holding every fed token (``ContextCache``)."""
+        self.catch_up()
+
+    def _queue_plain_step(self) -> None:
+        """Feed y alone (the layers' own forward, nothing to roll back) and
+        start computing the token after it before waiting for y itself, as
+        mlx-lm's own decoding does: while plain steps follow each other, one is
+        always in flight behind the host. y joins ``tokens`` here, so the cache
+        and ``tokens`` agree whenever a cycle returns. Never queued by
+        ``prefill``: until the first cycle the cache ends at the prompt."""
+        y = self.pending
+        out = self.target.forward(y[None], self.cache, self.layer_ids)
+        self.unobserved.append((out.features, y))
+        history = mx.concatenate([mx.array(self.recent, dtype=mx.int32), y])
+        logits = self.sampler.process(self.target.logits(out.hidden[:, -1]), history)
+        _, self.queued = self.sampler.verify(logits, *self.no_draft)
+        mx.async_eval(self.queued)
+        committed = [y.item()]  # waits only while the step that makes y still runs
+        self.tokens.extend(committed)
+        self._remember(committed)
+
     def cycle(self) -> Cycle:
         """One draft + verify + commit cycle; returns the committed tokens."""
+        if self.block_size == 1:  # a plain step: nothing drafted, so nothing to reject
+            if self.queued is None:  # the first cycle after prefill
+                self._queue_plain_step()
+            self.pending, self.queued = self.queued, None
+            self.policy.update(1, 0)
+            self._queue_next()
+            return Cycle([self.pending.item()], 0)
         y, drafted = self.pending, self.drafted
         block = mx.concatenate([y, drafted])
         out = self.target.forward(block[None], self.cache, self.layer_ids, record=True)
@@ -158,5 +204,5 @@ class SpeculativeDecoder:
         self.tokens.extend(committed)
         self._remember(committed)
         self.pending = next_token
-        self._queue_draft()
+        self._queue_next()
         return Cycle(committed[1:] + [next_token.item()], a)

@@ -205,7 +205,8 @@ def stream_generate(
             policy = FixedBlock(block_size)
         decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,
                                      prefill_step_size, sampler, context.target, context.tokens)
-    with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream), drained(generation_stream):
+    with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream), \
+            drained(generation_stream), contextlib.closing(decoder):
         tic = time.perf_counter()
         committed = [decoder.prefill(prompt_ids)]
         prompt_tps = prompt_ids.size / (time.perf_counter() - tic)

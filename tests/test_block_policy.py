@@ -165,6 +165,47 @@ def test_a_block_of_one_is_a_plain_target_step_with_no_draft_pass(qwen3_5):
     assert policy.outcomes == [(b, b - 1) for b in blocks]
 
 
+class RecordingOracle(CountingOracle):
+    """A CountingOracle that also records every id it is shown, batch by batch."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen, self.batches = [], []
+
+    def observe(self, features, tokens):
+        super().observe(features, tokens)
+        self.seen += tokens.tolist()
+        self.batches.append(tokens.size)
+
+
+def test_plain_steps_run_one_ahead_and_the_caches_stay_in_step(qwen3_5):
+    """Each plain step is queued before the cycle that emits its input returns
+    (one step in flight behind the host, as mlx-lm decodes), yet whenever a
+    cycle returns the target cache holds exactly ``tokens``. Prefill queues
+    nothing (the server snapshots the prompt's end there). The proposer gets
+    the plain steps' features in one batch when it next drafts, and the rest on
+    ``close()``."""
+    model, tokenizer, _ = qwen3_5
+    target = Target(model)
+    prompt = tokenizer.encode("the quick brown fox")
+    continuation = greedy_reference(model, prompt, 40)
+    oracle = RecordingOracle(len(prompt), continuation, target.vocab_size)
+    blocks = [1, 1, 1, 4, 1, 1, 2, 1, 1]
+    decoder = SpeculativeDecoder(target, oracle, [0], ScriptedPolicy(blocks + [1]))
+    attention = next(c for c in decoder.cache if c.is_trimmable())
+    out = [decoder.prefill(mx.array(prompt))]
+    assert attention.offset == len(prompt) and decoder.queued is None
+    for b in blocks:
+        out += decoder.cycle().tokens
+        fed = prompt + out if decoder.block_size == 1 else prompt + out[:-1]  # the last one too while plain
+        assert decoder.tokens == fed and attention.offset == len(fed)
+    assert out == continuation[: len(out)]
+    assert oracle.seen == decoder.tokens[: len(oracle.seen)] and len(oracle.seen) < len(decoder.tokens)
+    decoder.close()
+    assert oracle.seen == decoder.tokens
+    assert oracle.batches == [len(prompt), 3, 4, 2, 2, 3]  # prompt, 3 plain, block 4, 2 plain, block 2, 3 plain
+
+
 def test_a_plain_step_samples_from_the_target_when_sampling(qwen3_5):
     model, tokenizer, _ = qwen3_5
     target = Target(model)

@@ -7,6 +7,11 @@ from mlx_lm.models.cache import ArraysCache
 from dflash_mlx import Target, generate, load, load_draft, stream_generate
 from dflash_mlx.server.prefix_cache import MAX_ENTRIES, PrefixCache
 from dflash_mlx.server.stops import StopMatcher
+from test_block_policy import STEEP
+
+# None: the pair's measured curve; STEEP: plain target steps (queued one ahead)
+# between probes of speculation
+CURVES = [None, STEEP]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
@@ -46,30 +51,31 @@ def words(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_follow_up_prompts_reuse_caches_and_match_the_cold_output(pair):
+@pytest.mark.parametrize("curve", CURVES)
+def test_follow_up_prompts_reuse_caches_and_match_the_cold_output(pair, curve):
     target, draft, tokenizer = pair
     cache = PrefixCache(target, draft, budget_bytes=10**9)
     hybrid = recurrent(target)
     p1 = tokenizer.encode("the quick brown fox jumps over the lazy dog")
-    out1, reused = serve_one(cache, pair, p1, max_tokens=20)
+    out1, reused = serve_one(cache, pair, p1, max_tokens=20, cost_curve=curve)
     assert reused == 0 and out1 == cold(pair, p1, max_tokens=20)
     fed = list(list(cache.entries.values())[0].context.tokens)
     assert fed[: len(p1) + 19] == p1 + out1[:19]  # the prompt and every token fed
 
     # a chat turn: the old prompt, part of the reply, then new text
     p2 = p1 + out1[:10] + words(tokenizer, " hello world")
-    out2, reused = serve_one(cache, pair, p2, max_tokens=20, temperature=0.8, seed=3)
+    out2, reused = serve_one(cache, pair, p2, max_tokens=20, temperature=0.8, seed=3, cost_curve=curve)
     assert reused == (len(p1) if hybrid else len(p1) + 10)
-    assert out2 == cold(pair, p2, max_tokens=20, temperature=0.8, seed=3)
+    assert out2 == cold(pair, p2, max_tokens=20, temperature=0.8, seed=3, cost_curve=curve)
 
     # everything the last request fed, extended: reused as it is, even on a hybrid target
     p3 = list(list(cache.entries.values())[-1].context.tokens) + words(tokenizer, " what is")
-    out3, reused = serve_one(cache, pair, p3, max_tokens=12, repetition_penalty=1.2)
+    out3, reused = serve_one(cache, pair, p3, max_tokens=12, repetition_penalty=1.2, cost_curve=curve)
     assert reused == len(p3) - 2
     assert out3 == cold(pair, p3, max_tokens=12, repetition_penalty=1.2)
 
     # the same prompt again: attention caches keep all but its last token
-    out4, reused = serve_one(cache, pair, p3, max_tokens=12, repetition_penalty=1.2)
+    out4, reused = serve_one(cache, pair, p3, max_tokens=12, repetition_penalty=1.2, cost_curve=curve)
     assert out4 == out3 and reused == (0 if hybrid else len(p3) - 1)
 
 
@@ -89,15 +95,16 @@ def test_a_prompt_diverging_inside_a_cached_prompt(pair):
     assert reused >= len(p1) and out == cold(pair, p3, max_tokens=16)
 
 
-def test_a_request_stopped_mid_generation_leaves_consistent_caches(pair):
+@pytest.mark.parametrize("curve", CURVES)
+def test_a_request_stopped_mid_generation_leaves_consistent_caches(pair, curve):
     target, draft, tokenizer = pair
     cache = PrefixCache(target, draft, budget_bytes=10**9)
     p1 = tokenizer.encode("hello world what is the capital of france")
-    serve_one(cache, pair, p1, stop_after=3, max_tokens=200)
+    serve_one(cache, pair, p1, stop_after=3, max_tokens=200, cost_curve=curve)
     fed = list(list(cache.entries.values())[0].context.tokens)
     assert len(p1) < len(fed) < len(p1) + 200
     p2 = fed + words(tokenizer, " and")
-    out, reused = serve_one(cache, pair, p2, max_tokens=16)
+    out, reused = serve_one(cache, pair, p2, max_tokens=16, cost_curve=curve)
     assert reused == len(fed)
     assert out == cold(pair, p2, max_tokens=16)
 
