@@ -23,7 +23,10 @@ from mlx_lm.models.gated_delta import compute_g
 from ..gated_delta import split_qkv
 
 # Gates below this count as this (log -69): the state is then wiped to within
-# float32 precision anyway, and log(0) would give -inf - -inf = nan.
+# float32 precision anyway. The forward would survive log(0) = -inf (no two
+# sums are subtracted), but its gradient 1/g would not: below the floor the
+# gradient w.r.t. g is 0 (mlx-lm's is finite there, and d/dx of g = exp(x)
+# is ~0 in both).
 GATE_FLOOR = 1e-30
 
 
