@@ -102,15 +102,18 @@ def chunked_gated_delta(q, k, v, g, beta, state=None, chunk: int = 64):
     to_end = mx.swapaxes(decay[..., -1:, :], -1, -2) * k  # (gamma_C / gamma_s) k_s
     last = gamma[..., -1, :, None]  # gamma_C, [B, H, n, 1, 1]
 
-    s = state.astype(f32)
+    s = state.astype(f32)[:, :, None]  # [B, H, 1, Dv, Dk]
     ys = []
-    for i in range(n):
-        st = mx.swapaxes(s, -1, -2)  # [B, H, Dk, Dv]
-        d = u[:, :, i] - w[:, :, i] @ st
-        ys.append(gamma[:, :, i] * (q[:, :, i] @ st) + attn[:, :, i] @ d)
-        s = last[:, :, i] * s + mx.swapaxes(d, -1, -2) @ to_end[:, :, i]
-    y = mx.stack(ys, axis=2).reshape(B, Hv, n * C, Dv)
-    return mx.moveaxis(y, 1, 2)[:, :T], s
+    # one split per input (its gradient is one concatenation, not n padded slices)
+    for u_, w_, q_, attn_, gamma_, end_, last_ in zip(
+        *(mx.split(t, n, axis=2) for t in (u, w, q, attn, gamma, to_end, last))
+    ):
+        st = mx.swapaxes(s, -1, -2)
+        d = u_ - w_ @ st  # this chunk's deltas, [B, H, 1, C, Dv]
+        ys.append(gamma_ * (q_ @ st) + attn_ @ d)
+        s = last_ * s + mx.swapaxes(d, -1, -2) @ end_
+    y = mx.concatenate(ys, axis=2).reshape(B, Hv, n * C, Dv)
+    return mx.moveaxis(y, 1, 2)[:, :T], s[:, :, 0]
 
 
 def _gated_delta_net(gdn: nn.Module, x: mx.array, chunk: int) -> mx.array:
