@@ -6,7 +6,9 @@ t_target(b) is one verify cycle's target work over b tokens as the loop runs it
 (the recording forward, the logits, greedy acceptance, the rollback and the
 draft's context injection of the kept position); t_draft(b) is one draft pass
 proposing b-1 tokens (the draft plus the borrowed LM head, and the argmax).
-A block of 1 is a plain target step: no draft pass, t_draft(1) = 0.
+A block of 1 is a plain target step, timed as the loop runs a run of them
+(each queued before the host waits for the one before): no draft pass,
+t_draft(1) = 0.
 
 The cache lives under ``$DFLASH_MLX_CACHE_DIR`` (meant for tests), else
 ``$XDG_CACHE_HOME/dflash-mlx`` or ``~/.cache/dflash-mlx``, one JSON file per
@@ -29,7 +31,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .decoder import DraftProposer
+from .decoder import DraftProposer, SpeculativeDecoder
 from .draft import DFlashDraft
 from .target import Target
 from .verify import greedy_verify
@@ -40,6 +42,7 @@ SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # measured where they fit the draft's trai
 CONTEXT = 64  # tokens in the caches while measuring
 BUDGET_S = 1.0  # about this long for the whole measurement
 MAX_REPEATS = 5
+PLAIN_STEPS = 8  # plain steps timed in a row for b = 1
 
 
 @dataclass(frozen=True)
@@ -182,10 +185,27 @@ def _median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _plain_step_seconds(target: Target, draft: DFlashDraft, prompt: mx.array) -> float:
+    """Seconds per plain target step (b = 1) in a run of them, pipelined as the
+    loop runs them: each queued before the host waits for the one before. A
+    decoder of its own, so the caller's cache stays as it is."""
+    plain = SpeculativeDecoder(target, DraftProposer(draft, target), draft.config.target_layer_ids, 1)
+    plain.prefill(prompt)
+    for _ in range(2):  # warm-up; the timed run starts with a step in flight, as in a long run
+        plain.cycle()
+    tic = time.perf_counter()
+    for _ in range(PLAIN_STEPS):
+        plain.cycle()
+    seconds = (time.perf_counter() - tic) / PLAIN_STEPS
+    plain.close()
+    return seconds
+
+
 def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
             budget_s: float = BUDGET_S) -> CostCurve:
-    """Time each pass at each size: one warm-up of each, then as many repeats
-    (1 to ``MAX_REPEATS``) as fit the budget; the median of the repeats."""
+    """Time each pass at each size b > 1: one warm-up of each, then as many
+    repeats (1 to ``MAX_REPEATS``) as fit the budget; the median of the
+    repeats. b = 1: ``PLAIN_STEPS`` plain steps in a row."""
     layer_ids = draft.config.target_layer_ids
     proposer = DraftProposer(draft, target)
     cache = target.make_cache()
@@ -208,13 +228,14 @@ def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
         mx.eval(mx.argmax(proposer.propose(y, b), axis=-1))
 
     passes = [(b, kind, run) for b in sizes for kind, run in (("target", target_pass), ("draft", draft_pass))
-              if not (kind == "draft" and b == 1)]
+              if b > 1]
     tic = time.perf_counter()
     for b, _, run in passes:
         run(b)
     warm = time.perf_counter() - tic
     repeats = max(1, min(MAX_REPEATS, int(max(budget_s - warm, 0) / max(warm, 1e-9))))
     seconds = {(b, kind): _median_seconds(lambda: run(b), repeats) for b, kind, run in passes}
+    seconds[1, "target"] = _plain_step_seconds(target, draft, tokens[:CONTEXT])
     return CostCurve(tuple(sizes), tuple(seconds[b, "target"] for b in sizes),
                      tuple(0.0 if b == 1 else seconds[b, "draft"] for b in sizes))
 

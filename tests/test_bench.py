@@ -411,3 +411,24 @@ def test_cli_bench_end_to_end(target_dirs, draft_dir, tmp_path):
     res = CliRunner().invoke(app, ["bench", "--predict", "--results", str(out), "--chip", "M1"])
     assert res.exit_code == 0, res.output
     assert "M1" in res.output
+
+
+# ---------------------------------------------------------------- cycle phases
+
+def test_cycle_phases_runs_the_loops_cycles_phase_by_phase():
+    """The phase-by-phase replica of a cycle accepts exactly what the real loop
+    accepts, cycle for cycle, on the demo pair's trained draft."""
+    import mlx.core as mx
+
+    from dflash_mlx import load, load_draft
+    from dflash_mlx.bench.cycle_phases import PHASES, cycle_phases
+    from dflash_mlx.demo import demo_pair
+
+    pair = demo_pair()
+    model, tokenizer = load(str(pair.target))
+    prompts = [mx.array(tokenizer.encode(p)) for p in pair.load_prompts()[:2]]
+    result = cycle_phases(model, load_draft(str(pair.draft)), prompts, block=8, max_tokens=48)
+    assert result["accepted"] == result["loop_accepted"]
+    assert max(result["accepted"]) > 0 and result["tau"] > 1
+    assert all(result["phases"][p]["eval_ms"] > 0 for p in PHASES)
+    assert result["loop_cycle_ms"] > 0 and result["t_ar_ms"] > 0 and result["verify_nodes"] > 0

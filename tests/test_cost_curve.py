@@ -152,7 +152,8 @@ def test_bench_calibrate_prints_the_curve_and_caches_it(target_dirs, draft_dir, 
         ["1", "1000.00", "-", "1000.00", "1.00"], ["2", "2000.00", "1000.00", "3000.00", "3.00"],
         ["4", "4000.00", "3000.00", "7000.00", "7.00"], ["8", "6000.00", "5000.00", "11000.00", "11.00"]]
     assert len(list((tmp_path / "cost-curves").glob("*.json"))) == 1
-    assert "cached in" in err.export_text()
+    said = err.export_text()
+    assert "cached in" in said and "measured in" in said and "held after" in said
     main_calibrate(model=str(target_dirs["qwen3"]), draft=str(draft_dir("qwen3", block_size=8)),
                    dtype="auto", out=out, err=err)
     assert len(counted) == 2  # --calibrate always measures afresh

@@ -1,7 +1,10 @@
 """``dflash-mlx bench --calibrate``: measure the pair's cost curve on this
 machine afresh, cache it (where ``block_size="auto"`` reads it) and print it."""
 
+import time
 from typing import Optional
+
+import mlx.core as mx
 
 from ..cost_curve import CostCurve, cache_key, cache_path, cost_curve
 from ..registry import resolve_pair
@@ -27,8 +30,6 @@ def load_pair(pair, dtype: str):
     """(target model, tokenizer, draft, dtype used) for a resolved pair: ``auto``
     is float32 on the CPU backend (its fast matmuls) and the checkpoints' own
     dtype elsewhere, ``keep`` the checkpoints' own."""
-    import mlx.core as mx
-
     from ..loading import load, load_draft
 
     target, tokenizer = load(pair.target)
@@ -49,8 +50,16 @@ def main_calibrate(*, model: Optional[str], draft: Optional[str], dtype: str, ou
     pair = resolve_pair(model, draft)
     target_model, _, dft, dtype = load_pair(pair, dtype)
     target = Target(target_model)
+    mx.eval(target_model.parameters(), dft.parameters())
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
     curve = cost_curve(target, dft, refresh=True)
+    seconds = time.perf_counter() - tic
     name = "checkpoint dtype" if dtype == "keep" else dtype
     print_curve(curve, out, f"cost per cycle on this machine: {pair.target} + {pair.draft}, {name}")
-    err.print(f"cached in {cache_path(cache_key(target, dft))}", markup=False, highlight=False)
+    gb = 1024**3
+    err.print(f"measured in {seconds:.2f} s; memory: {held / gb:.3f} GB held by the models, peak "
+              f"{mx.get_peak_memory() / gb:.3f} GB while measuring, {mx.get_active_memory() / gb:.3f} GB "
+              f"held after; cached in {cache_path(cache_key(target, dft))}", markup=False, highlight=False)
     return curve
