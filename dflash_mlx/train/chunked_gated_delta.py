@@ -65,7 +65,7 @@ def _chunks(x: mx.array, n: int, C: int) -> mx.array:
     return mx.moveaxis(x, 3, 1)
 
 
-def chunked_gated_delta(q, k, v, g, beta, state=None, chunk: int = 64):
+def chunked_gated_delta(q, k, v, g, beta, state=None, chunk: int = 32):
     """The gated delta rule over [B, T] in chunks of ``chunk`` steps.
 
     Same contract as mlx-lm's ``gated_delta_ops`` with scalar gates: q, k
@@ -147,7 +147,7 @@ def _text_model(model: nn.Module):
     return lm, text
 
 
-def training_logits(model: nn.Module, inputs: mx.array, chunk: int = 64) -> mx.array:
+def training_logits(model: nn.Module, inputs: mx.array, chunk: int = 32) -> mx.array:
     """``model(inputs)`` for an mlx-lm qwen3_5 model without cache, with every
     GatedDeltaNet recurrence chunked (``chunked_gated_delta``)."""
     lm, text = _text_model(model)
