@@ -12,7 +12,11 @@ Stages, each resumable (run them in order; ``all`` runs every stage):
              own greedy continuations (self-distillation)
   install    copy the final target and draft into dflash_mlx/demo_pair/, with
              the vocabulary ranked by frequency in the training stream
-             (``--draft-vocab N``)
+             (``--draft-vocab N``), only if the pair passes ``check``
+
+``check`` measures the newest pair (the extend stage's newest checkpoint while
+it runs) against GATES: the target's greedy distinct-token ratio and the
+draft's tau at block 16 on the held-out prompts, and the weight budget.
 
 Run on CPU with OpenBLAS and float32 for speed::
 
@@ -398,24 +402,84 @@ def stage_draft(work: Path, stop_after=None):
     return res["draft_dir"]
 
 
-def stage_install(work: Path) -> Path:
-    """Copy the final pair into the package (dflash_mlx/demo_pair)."""
+GATES = {  # what a pair must reach on the held-out prompts before it replaces the installed one
+    "distinct median": 0.5,  # distinct-token ratio of the target's greedy output (real continuations: 0.57)
+    "distinct min": 0.2,
+    "tau at block 16": 3.5,  # tokens per cycle, above the ~2.9 a block-16 cycle costs here
+}
+MAX_WEIGHTS_MB = 40.0
+CHECK_TOKENS = 128
+
+
+def candidate_pair(work: Path) -> tuple[Path, Path]:
+    """The newest target (the extend stage's final model, else its newest
+    checkpoint, exported to ``target_extended/probe``) and draft (the draft
+    stage's, else the installed one)."""
+    out = work / "target_extended"
+    target = out / "final"
+    if not (target / "config.json").is_file():
+        newest = list_checkpoints(out)[-1:]
+        if not newest:
+            raise SystemExit(f"no target in {out} yet; run the extend stage first")
+        model = build_target(EXTEND_OPTIM.seed)
+        model.load_weights(str(newest[0] / "model.safetensors"))
+        target = out / "probe"
+        save_target(model, target, work)
+        print(f"check: the target at {newest[0].name}", file=sys.stderr)
+    draft = work / "draft" / "draft"
+    return target, draft if (draft / "config.json").is_file() else INSTALLED / "draft"
+
+
+def stage_check(work: Path) -> bool:
+    """Measure the candidate pair against GATES and the weight budget, greedy,
+    CHECK_TOKENS tokens per held-out prompt; print each figure; True if all pass."""
+    import statistics
+
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx import generate, load, load_draft
+
+    target_dir, draft_dir = candidate_pair(work)
+    model, tokenizer = load(str(target_dir))
+    draft = load_draft(str(draft_dir))
+    ratios, lengths = [], []
+    for line in stage_prompts(work).read_text().splitlines():
+        ids = mx.array(tokenizer.encode(json.loads(line)["prompt"]))
+        out = [t for t, _ in generate_step(ids, model, max_tokens=CHECK_TOKENS)]
+        out = out[: out.index(0)] if 0 in out else out  # up to EOS
+        ratios.append(len(set(out)) / max(len(out), 1))
+        lengths += generate(model, draft, tokenizer, ids, block_size=16, max_tokens=CHECK_TOKENS).acceptance_lengths
+    figures = {"distinct median": statistics.median(ratios), "distinct min": min(ratios),
+               "tau at block 16": statistics.mean(lengths)}
+    mb = sum(f.stat().st_size for d in (target_dir, draft_dir) for f in d.glob("*.safetensors")) / 1e6
+    ok = mb <= MAX_WEIGHTS_MB
+    print(f"check: {target_dir} + {draft_dir}", file=sys.stderr)
+    for name, floor in GATES.items():
+        ok &= figures[name] >= floor
+        print(f"  {name}: {figures[name]:.3f} (needs >= {floor})", file=sys.stderr)
+    print(f"  weights: {mb:.1f} MB (needs <= {MAX_WEIGHTS_MB})", file=sys.stderr)
+    return ok
+
+
+def stage_install(work: Path, force: bool = False) -> Path:
+    """Copy the final pair into the package (dflash_mlx/demo_pair), only when
+    it passes ``stage_check`` (or ``force``)."""
     dest = INSTALLED
     target, draft = work / "target_extended" / "final", work / "draft" / "draft"
-    if not (target / "config.json").is_file():
-        raise SystemExit(f"{target} is missing; run the earlier stages first")
+    for path in (target, draft):
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"{path} is missing; run the earlier stages first")
+    if not stage_check(work) and not force:
+        raise SystemExit("install: the pair misses a gate above; the installed pair is kept (--force installs anyway)")
     for src, name in ((target, "target"), (draft, "draft")):
-        if not (src / "config.json").is_file():
-            print(f"install: {src} is not trained yet; installing the rest", file=sys.stderr)
-            continue
         shutil.rmtree(dest / name, ignore_errors=True)
         (dest / name).mkdir(parents=True)
         for f in sorted(src.iterdir()):
             if f.suffix in (".json", ".safetensors"):
                 shutil.copy(f, dest / name / f.name)
     shutil.copy(stage_prompts(work), dest / "heldout_prompts.jsonl")
-    if (dest / "draft" / "config.json").is_file():  # the vocabulary ranked over the training corpus
-        write_ranking(dest / "draft", rank_tokens(np.load(work / "data" / "train_tokens.npy"), VOCAB_SIZE))
+    # the vocabulary ranked over the training corpus
+    write_ranking(dest / "draft", rank_tokens(np.load(work / "data" / "train_tokens.npy"), VOCAB_SIZE))
     print(f"installed the demo pair in {dest}", file=sys.stderr)
     return dest
 
@@ -423,9 +487,11 @@ def stage_install(work: Path) -> Path:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["tokenizer", "data", "target", "extend", "prompts", "draft", "install", "all",
-                                      "snapshot"])
+                                      "check", "snapshot"])
     ap.add_argument("--work", default="demo_work", help="Working directory (git-ignored).")
     ap.add_argument("--stop-after", type=int, default=None, help="Stop a training stage after N steps.")
+    ap.add_argument("--force", action="store_true",
+                    help="install: replace the installed pair even if the new one misses a gate.")
     ap.add_argument("--from-scratch", action="store_true",
                     help="Train the target even if the package already has one installed.")
     args = ap.parse_args(argv)
@@ -449,7 +515,10 @@ def main(argv=None):
             if stage_draft(work, stop_after=args.stop_after) is None:
                 return 1
         elif stage == "install":
-            stage_install(work)
+            stage_install(work, force=args.force)
+        elif stage == "check":
+            if not stage_check(work):
+                return 1
         elif stage == "snapshot":
             take_snapshot(work)
     return 0
