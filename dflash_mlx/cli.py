@@ -37,6 +37,9 @@ GENERATE_FLAGS = {
     "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed",
     "repetition_penalty": "--repetition-penalty", "draft_vocab": "--draft-vocab",
 }
+MAX_TOKENS = 256  # generate's default
+DEMO_MAX_TOKENS = 128  # the demo pair's: a tiny model's text is worth reading only so far
+DEMO_STOPS = ("\n\n\n", "\n\ndef ", "\n\nclass ", "\n\n@", "\n\nif ")  # its first top-level block ends
 THINKING_HELP = ("Pass enable_thinking=True/False to the chat template. Default: the registry's "
                  "choice for the pair (what its draft was trained on), else the template's own.")
 
@@ -98,7 +101,16 @@ def generate(
         None, "--draft", "-d", help="DFlash draft: hub repo id or local directory. Default: from the registry (see `dflash-mlx models`)."
     ),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or '-' to read it from stdin."),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Stop after this many generated tokens."),
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", "-n", show_default=False,
+        help=f"Stop after this many generated tokens. Default: {MAX_TOKENS} ({DEMO_MAX_TOKENS} for the demo pair).",
+    ),
+    stop: Optional[list[str]] = typer.Option(
+        None, "--stop", show_default=False,
+        help="Stop where the output reaches this text (not printed); repeatable. Default: none (for the demo "
+             "pair, where its first top-level block of code ends: two blank lines, or a blank line before a "
+             "top-level def, class, decorator or if).",
+    ),
     block_size: str = typer.Option(
         "auto", "--block-size", "-b",
         help="Tokens per draft block: auto (chosen each cycle from this machine's measured costs and the "
@@ -126,6 +138,11 @@ def generate(
     ),
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
+    demo = model is None  # the bundled pair (without --draft; resolve_pair below checks that)
+    if max_tokens is None:
+        max_tokens = DEMO_MAX_TOKENS if demo else MAX_TOKENS
+    if stop is None:
+        stop = list(DEMO_STOPS) if demo else []
     options = dict(max_tokens=max_tokens, prefill_step_size=prefill_step_size, temperature=temp,
                    top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                    repetition_penalty=repetition_penalty, draft_vocab=draft_vocab)
@@ -151,17 +168,19 @@ def generate(
         chat = None
         if not no_chat_template:
             chat = dict(system=system, enable_thinking=pair.enable_thinking if thinking is None else thinking)
-        _run(pair.target, pair.draft, text, chat, block_size=block_size, tree_budget=tree_budget, **options)
+        _run(pair.target, pair.draft, text, chat, stop, block_size=block_size, tree_budget=tree_budget, **options)
     except DFlashError as e:
         _fail(str(e))
 
 
-def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], **options) -> None:
+def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: list[str], **options) -> None:
     """Load the pair, template the prompt (``chat``: apply_template's options, or
-    None for the text as is) and stream the output; the figures go to stderr."""
+    None for the text as is) and stream the output up to the first of ``stops``;
+    the figures go to stderr."""
     from .chat import apply_template, has_template, thinking_note
     from .generate import stream_generate
     from .loading import load, load_draft
+    from .server.stops import StopMatcher
     from .validate import UntrainedBlockWarning
 
     model, tokenizer = load(model_id)
@@ -173,12 +192,15 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], **option
     accepted = cycles = drafted = 0
     blocks: dict[int, int] = {}
     last = None
+    matcher = StopMatcher(stops)
+    stopped = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UntrainedBlockWarning)  # the command warned already
         for r in stream_generate(model, draft, tokenizer, text, **options):
             if last is None and note:  # once the pair and prompt passed every check
                 _note(note)
-            sys.stdout.write(r.text)
+            shown, stopped = matcher.feed(r.text)
+            sys.stdout.write(shown)
             sys.stdout.flush()
             if last is not None:
                 cycles += 1
@@ -186,7 +208,9 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], **option
                 drafted += r.block_size - 1
                 blocks[r.block_size] = blocks.get(r.block_size, 0) + 1
             last = r
-    sys.stdout.write("\n")
+            if stopped:
+                break
+    sys.stdout.write(("" if stopped else matcher.flush()) + "\n")
     tau = (accepted + cycles) / cycles if cycles else float("nan")
     rate = f"{accepted / drafted:.1%}" if drafted else "-"
     shape = block_summary(options["block_size"], blocks)
@@ -197,6 +221,7 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], **option
         f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
         f"tau {tau:.2f} tokens/cycle over {cycles} cycles ({shape}), "
         f"draft acceptance {rate} | peak memory {last.peak_memory:.2f} GB"
+        + (" | stopped at a --stop string" if stopped else "")
     )
 
 

@@ -229,3 +229,19 @@ def test_block_above_the_trained_size_warns_once_and_stays_lossless(pair):
     model, tokenizer = mlx_lm_load(str(target))
     want = [t for t, _ in generate_step(mx.array(tokenizer.encode("the quick brown fox")), model, max_tokens=16)]
     assert result.stdout.strip() == tokenizer.decode(want).strip()
+
+
+def test_generate_stops_before_a_stop_string(pair):
+    """--stop ends the output where the target's greedy text reaches it, the
+    stop string itself not printed."""
+    target, draft = pair
+    model, tokenizer = mlx_lm_load(str(target))
+    ids = mx.array(tokenizer.encode("the quick brown fox"))
+    text = tokenizer.decode([t for t, _ in generate_step(ids, model, max_tokens=24)])
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    result = run("generate", "-m", target, "-d", draft, "-p", "the quick brown fox", "-n", 24,
+                 "--no-chat-template", "--stop", "never in the output", "--stop", stop)
+    assert result.exit_code == 0, result.stderr
+    # (the streaming detokenizer drops the first token's leading space, as the first test allows)
+    assert result.stdout.lstrip() == text[: text.index(stop)].lstrip() + "\n"
+    assert "stopped at a --stop string" in result.stderr
