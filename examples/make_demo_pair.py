@@ -26,9 +26,10 @@ Run on CPU with OpenBLAS and float32 for speed::
 Interrupted? Run the same command again: every stage continues exactly from
 its last checkpoint. A stage longer than a session (``extend``: ~3 s a step
 on 2 cores, ~2.75 h) carries over to a fresh machine through a committed
-snapshot: ``make_demo_pair.py snapshot`` copies its newest checkpoint
-(weights and optimizer state, ~84 MB) into ``examples/demo_pair_snapshot/``;
-a work directory without checkpoints of its own starts from it. A target already installed in the package (committed
+snapshot: ``make_demo_pair.py snapshot`` copies the newest checkpoint of each
+unfinished training stage (``extend``: weights and optimizer state, 80 MB;
+``draft``) into ``examples/demo_pair_snapshot/``; a stage whose work directory
+has no checkpoints of its own starts from it. A target already installed in the package (committed
 before its draft was trained) is the target stage's output: the draft stage
 then trains against it; ``--from-scratch`` retrains the target instead. The corpus is whatever standard library the running
 Python has (the shipped pair used CPython 3.11.7).
@@ -63,7 +64,8 @@ EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "
 HELD_OUT_EVERY = 20  # one file in 20 (by path hash) never enters any training
 INSTALLED = Path(__file__).resolve().parent.parent / "dflash_mlx" / "demo_pair"  # what the wheel ships
 SNAPSHOT = Path(__file__).resolve().parent / "demo_pair_snapshot"  # committed checkpoints of unfinished stages
-SNAPSHOT_STAGES = ("target_extended",)  # work subdirectories whose training outlasts a session
+SNAPSHOT_STAGES = {"target_extended": "final", "draft": "draft"}  # training that outlasts a session: its
+# work subdirectory -> the subdirectory its finished output goes to
 
 TARGET_CONFIG = {
     "model_type": "qwen3_5",
@@ -286,10 +288,10 @@ def take_snapshot(work: Path) -> None:
     """Copy the newest checkpoint of each unfinished training stage into
     SNAPSHOT, which is committed: a stage longer than a session then resumes
     exactly in the next one, on whatever machine it gets."""
-    for stage in SNAPSHOT_STAGES:
+    for stage, finished in SNAPSHOT_STAGES.items():
         out = work / stage
         newest = list_checkpoints(out)[-1:]
-        if (out / "final" / "config.json").is_file() or not newest:
+        if (out / finished / "config.json").is_file() or not newest:
             continue
         with staged_output(SNAPSHOT / stage, force=True) as tmp:
             shutil.copytree(newest[0], tmp / "checkpoints" / newest[0].name)
@@ -392,6 +394,7 @@ def stage_draft(work: Path, stop_after=None):
     final = work / "draft" / "draft"
     if (final / "config.json").is_file():
         return final
+    resume_from_snapshot(work / "draft")  # its distillation data is made again, deterministically
     root = Path(sysconfig.get_paths()["stdlib"])
     train_files = json.loads((work / "data" / "train_files.json").read_text())
     res = train_draft(
