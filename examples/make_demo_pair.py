@@ -26,10 +26,10 @@ Run on CPU with OpenBLAS and float32 for speed::
 Interrupted? Run the same command again: every stage continues exactly from
 its last checkpoint. A stage longer than a session (``extend``: ~3 s a step
 on 2 cores, ~2.75 h) carries over to a fresh machine through a committed
-snapshot: ``make_demo_pair.py snapshot`` copies the newest checkpoint of each
-unfinished training stage (``extend``: weights and optimizer state, 80 MB;
-``draft``) into ``examples/demo_pair_snapshot/``; a stage whose work directory
-has no checkpoints of its own starts from it. A target already installed in the package (committed
+snapshot: ``make_demo_pair.py snapshot`` copies each training stage's finished
+output, else its newest checkpoint (``extend``: weights and optimizer state,
+80 MB; ``draft``), into ``examples/demo_pair_snapshot/``; a stage whose work
+directory has neither starts from it. A target already installed in the package (committed
 before its draft was trained) is the target stage's output: the draft stage
 then trains against it; ``--from-scratch`` retrains the target instead. The corpus is whatever standard library the running
 Python has (the shipped pair used CPython 3.11.7).
@@ -276,36 +276,46 @@ def stage_extend(work: Path, stop_after=None):
     (a fresh warm-up and cosine, other windows): the first 1000 steps saw the
     corpus about once, and greedy decoding of so young a model loops."""
     out = work / "target_extended"
+    resume_from_snapshot(out)
     if (out / "final" / "config.json").is_file():
         return out / "final"
-    resume_from_snapshot(out)
     model = build_target(EXTEND_OPTIM.seed)
     model.load_weights(str(work / "target" / "final" / "model.safetensors"))
     return pretrain(model, work, EXTEND_OPTIM, out, "extend", stop_after)
 
 
 def take_snapshot(work: Path) -> None:
-    """Copy the newest checkpoint of each unfinished training stage into
-    SNAPSHOT, which is committed: a stage longer than a session then resumes
-    exactly in the next one, on whatever machine it gets."""
+    """Copy into SNAPSHOT, which is committed, what a fresh machine needs to
+    go on: each training stage's finished output, else its newest checkpoint
+    (weights and optimizer state: the stage then resumes exactly)."""
     for stage, finished in SNAPSHOT_STAGES.items():
         out = work / stage
         newest = list_checkpoints(out)[-1:]
-        if (out / finished / "config.json").is_file() or not newest:
+        if (out / finished / "config.json").is_file():
+            src, dest = out / finished, finished
+        elif newest:
+            src, dest = newest[0], f"checkpoints/{newest[0].name}"
+        else:
             continue
         with staged_output(SNAPSHOT / stage, force=True) as tmp:
-            shutil.copytree(newest[0], tmp / "checkpoints" / newest[0].name)
-        print(f"snapshot: {newest[0]} -> {SNAPSHOT / stage}", file=sys.stderr)
+            shutil.copytree(src, tmp / dest)
+        print(f"snapshot: {src} -> {SNAPSHOT / stage}", file=sys.stderr)
 
 
 def resume_from_snapshot(out: Path) -> None:
-    """Seed ``out`` with the committed snapshot's checkpoint when ``out`` has
-    none of its own (a fresh work directory), so training resumes from it."""
-    snapped = list_checkpoints(SNAPSHOT / out.name)[-1:]
-    if list_checkpoints(out) or not snapped:
+    """Seed a fresh ``out`` (no output, no checkpoints of its own) from the
+    committed snapshot: the stage's finished output, else its checkpoint."""
+    finished = SNAPSHOT_STAGES[out.name]
+    if (out / finished / "config.json").is_file() or list_checkpoints(out):
         return
-    shutil.copytree(snapped[0], out / "checkpoints" / snapped[0].name)
-    print(f"{out.name}: resuming from the committed snapshot {snapped[0]}", file=sys.stderr)
+    snapped = SNAPSHOT / out.name
+    if (snapped / finished / "config.json").is_file():
+        shutil.copytree(snapped / finished, out / finished)
+        print(f"{out.name}: its output from the committed snapshot", file=sys.stderr)
+    elif list_checkpoints(snapped):
+        newest = list_checkpoints(snapped)[-1]
+        shutil.copytree(newest, out / "checkpoints" / newest.name)
+        print(f"{out.name}: resuming from the committed snapshot {newest}", file=sys.stderr)
 
 
 def save_target(model, path: Path, work: Path) -> None:
@@ -388,13 +398,14 @@ DRAFT_OPTIM = OptimConfig(
 def stage_draft(work: Path, stop_after=None):
     from dflash_mlx.train import DraftTrainConfig, train_draft
 
+    resume_from_snapshot(work / "target_extended")
     target = work / "target_extended" / "final"
     if not (target / "config.json").is_file():
         raise SystemExit("train the target first: make_demo_pair.py target, then extend")
+    resume_from_snapshot(work / "draft")  # its distillation data is made again, deterministically
     final = work / "draft" / "draft"
     if (final / "config.json").is_file():
         return final
-    resume_from_snapshot(work / "draft")  # its distillation data is made again, deterministically
     root = Path(sysconfig.get_paths()["stdlib"])
     train_files = json.loads((work / "data" / "train_files.json").read_text())
     res = train_draft(
