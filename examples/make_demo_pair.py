@@ -365,7 +365,9 @@ def stage_prompts(work: Path) -> Path:
 
 
 DRAFT_TRAIN = dict(
-    num_layers=2,
+    num_layers=3,  # 3 x (attention + MLP of 768): 10.3 MB beside the target's 27.9 (budget 40)
+    intermediate_size=768,
+    target_layer_ids=[1, 3, 5],  # the published spread stops at layer L-3: half of a 6-layer target
     block_size=16,
     seq_len=256,
     batch_size=8,
@@ -373,7 +375,7 @@ DRAFT_TRAIN = dict(
     gamma=7.0,
     self_distill=True,
     cache_features=True,
-    num_prompts=3000,
+    num_prompts=6000,
     distill_tokens=160,
     prompt_lengths=(16, 32, 48, 64, 96),
     distill_batch=100,
@@ -382,7 +384,7 @@ DRAFT_TRAIN = dict(
     eval_every=10,
 )
 DRAFT_OPTIM = OptimConfig(
-    steps=1500,
+    steps=4000,
     learning_rate=2e-3,
     warmup_steps=50,
     min_lr_ratio=0.05,
