@@ -1,4 +1,10 @@
-"""Reproduce the bundled demo pair (``dflash_mlx/demo_pair``) from scratch.
+"""Train a demo pair (``dflash_mlx/demo_pair``) from scratch.
+
+The installed pair was built by ``all`` as of commit c434814 (the target stage's
+1000 steps, a 2-layer draft trained 1500 steps on 3000 self-distilled prompts).
+Since then the recipe has an extend stage and a 3-layer draft; the pair it makes
+(greedy distinct-token ratio 0.28 against 0.22, but tau 2.11 against 2.40 at block 16) misses
+GATES, so ``install`` keeps the installed pair.
 
 Stages, each resumable (run them in order; ``all`` runs every stage):
 
