@@ -290,38 +290,36 @@ def stage_extend(work: Path, stop_after=None):
     return pretrain(model, work, EXTEND_OPTIM, out, "extend", stop_after)
 
 
+def carried(stage_dir: Path):
+    """What carries a training stage to a fresh machine: its finished output,
+    else its newest checkpoint (weights and optimizer state), else None."""
+    finished = stage_dir / SNAPSHOT_STAGES[stage_dir.name]
+    if (finished / "config.json").is_file():
+        return finished
+    newest = list_checkpoints(stage_dir)[-1:]
+    return newest[0] if newest else None
+
+
 def take_snapshot(work: Path) -> None:
-    """Copy into SNAPSHOT, which is committed, what a fresh machine needs to
-    go on: each training stage's finished output, else its newest checkpoint
-    (weights and optimizer state: the stage then resumes exactly)."""
-    for stage, finished in SNAPSHOT_STAGES.items():
-        out = work / stage
-        newest = list_checkpoints(out)[-1:]
-        if (out / finished / "config.json").is_file():
-            src, dest = out / finished, finished
-        elif newest:
-            src, dest = newest[0], f"checkpoints/{newest[0].name}"
-        else:
+    """Copy what carries each training stage (``carried``) into SNAPSHOT,
+    which is committed: the stage then goes on exactly in a later session."""
+    for stage in SNAPSHOT_STAGES:
+        src = carried(work / stage)
+        if src is None:
             continue
         with staged_output(SNAPSHOT / stage, force=True) as tmp:
-            shutil.copytree(src, tmp / dest)
+            shutil.copytree(src, tmp / src.relative_to(work / stage))
         print(f"snapshot: {src} -> {SNAPSHOT / stage}", file=sys.stderr)
 
 
 def resume_from_snapshot(out: Path) -> None:
-    """Seed a fresh ``out`` (no output, no checkpoints of its own) from the
-    committed snapshot: the stage's finished output, else its checkpoint."""
-    finished = SNAPSHOT_STAGES[out.name]
-    if (out / finished / "config.json").is_file() or list_checkpoints(out):
+    """Seed a fresh ``out`` (no output, no checkpoints of its own) with what
+    the committed snapshot carries for its stage."""
+    src = carried(SNAPSHOT / out.name)
+    if carried(out) is not None or src is None:
         return
-    snapped = SNAPSHOT / out.name
-    if (snapped / finished / "config.json").is_file():
-        shutil.copytree(snapped / finished, out / finished)
-        print(f"{out.name}: its output from the committed snapshot", file=sys.stderr)
-    elif list_checkpoints(snapped):
-        newest = list_checkpoints(snapped)[-1]
-        shutil.copytree(newest, out / "checkpoints" / newest.name)
-        print(f"{out.name}: resuming from the committed snapshot {newest}", file=sys.stderr)
+    shutil.copytree(src, out / src.relative_to(SNAPSHOT / out.name))
+    print(f"{out.name}: starting from the committed snapshot's {src.name}", file=sys.stderr)
 
 
 def save_target(model, path: Path, work: Path) -> None:
