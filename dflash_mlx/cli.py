@@ -302,7 +302,7 @@ def draft_vocab(
     try:
         from mlx_lm.utils import load_tokenizer
 
-        from .draft_vocab import rank_corpus, write_ranking
+        from .draft import rank_corpus, write_ranking
         from .loading import TOKENIZER_FILES, resolve
         from .registry import read_config, resolve_pair
 

@@ -32,7 +32,7 @@ class Proposer(Protocol):
 
 class DraftProposer:
     """Proposes with a DFlash draft that borrows the target's embedding and head
-    (or, given ``head``, the head over a reduced vocabulary: ``draft_vocab.py``)."""
+    (or, given ``head``, the head over a reduced vocabulary: ``draft/vocab.py``)."""
 
     def __init__(self, draft: DFlashDraft, target: Target, cache: Optional[list] = None,
                  head: Optional[Callable[[mx.array], mx.array]] = None):

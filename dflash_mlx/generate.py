@@ -20,12 +20,12 @@ from .block_policy import AdaptiveBlock, FixedBlock
 from .chat import encode
 from .decoder import ContextCache, DraftProposer, SpeculativeDecoder
 from .draft import DFlashDraft
-from .draft_vocab import subset_head
+from .draft import subset_head
 from .errors import DFlashError
-from .forward_check import check_forward
+from .target import check_forward
 from .sampling import BlockSampler, SamplingParams
 from .target import Target
-from .tree_decoder import TreeDecoder
+from .tree import TreeDecoder
 
 CLEAR_CACHE_EVERY = 64  # cycles between frees of MLX's allocator cache on long runs
 
@@ -157,9 +157,9 @@ def stream_generate(
     ``context`` continues from caches that already hold a proper prefix of the
     prompt (only the rest is prefilled) and is left holding every fed token.
     ``tree_budget`` B >= 1 verifies a DDTree of up to B drafted nodes per cycle
-    instead of one chain (``tree_decoder.py``), at any temperature; 0 or None is the chain.
+    instead of one chain (``tree/decoder.py``), at any temperature; 0 or None is the chain.
     ``draft_vocab`` N drafts over the N most frequent ids of the ranking stored
-    beside the draft (``draft_vocab.py``; lossless, verification keeps the full
+    beside the draft (``draft/vocab.py``; lossless, verification keeps the full
     vocabulary); None is the full vocabulary.
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})

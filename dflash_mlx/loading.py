@@ -11,7 +11,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_model
 
 from .draft import DFlashDraft, DraftConfig
-from .draft_vocab import read_ranking
+from .draft import read_ranking
 from .errors import DFlashError
 
 DRAFT_FILES = ["*.json", "*.safetensors"]

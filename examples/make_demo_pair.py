@@ -55,7 +55,7 @@ import mlx.nn as nn
 import numpy as np
 
 from dflash_mlx.atomic import staged_output
-from dflash_mlx.draft_vocab import rank_tokens, write_ranking
+from dflash_mlx.draft import rank_tokens, write_ranking
 from dflash_mlx.train import OptimConfig, fit
 from dflash_mlx.train.loop import list_checkpoints
 from dflash_mlx.train.chunked_gated_delta import training_logits

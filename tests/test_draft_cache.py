@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_draft import H, V, randomized, reference_logits, small_config
 
-from dflash_mlx.draft_cache import DraftContextCache
+from dflash_mlx.draft.cache import DraftContextCache
 
 
 def _run(draft, caches, features, block, embed, chunk=3):

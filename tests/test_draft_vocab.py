@@ -1,4 +1,4 @@
-"""A reduced drafting vocabulary (``draft_vocab.py``): the ranking is made from
+"""A reduced drafting vocabulary (``draft/vocab.py``): the ranking is made from
 a corpus and stored beside the draft, the sliced head equals the full head on
 its ids and proposes nothing else, and output stays lossless: mlx-lm's greedy
 tokens (chain and tree) and the target's distribution under sampling."""
@@ -18,7 +18,7 @@ from test_sampling import model  # noqa: F401,F811 (the fixture: a tiny hybrid w
 
 from dflash_mlx import Target, generate, load_draft
 from dflash_mlx.decoder import DraftProposer
-from dflash_mlx.draft_vocab import RANKING_FILE, SubsetHead, rank_tokens, read_ranking, subset_head, write_ranking
+from dflash_mlx.draft.vocab import RANKING_FILE, SubsetHead, rank_tokens, read_ranking, subset_head, write_ranking
 from dflash_mlx.cli import app
 from dflash_mlx.errors import DFlashError
 

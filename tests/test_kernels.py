@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx import acceptance, draft_injection, kernels
+from dflash_mlx import acceptance, kernels
+from dflash_mlx.draft import injection as draft_injection
 from dflash_mlx.emulate import EmulationError
 from dflash_mlx.kernels import kv_inject as kvi
 from dflash_mlx.kernels import verify_greedy as vg

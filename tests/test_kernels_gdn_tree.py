@@ -37,14 +37,15 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_up
 from test_kernels_gdn import Counting
 from test_tree_loop import BLOCK, assert_cache_close_to_fresh_feed, oracle_cycles, run
 
-from dflash_mlx import Target, kernels, load_draft, tree_gated_delta
+from dflash_mlx import Target, kernels, load_draft
+from dflash_mlx.tree import gated_delta as tree_gated_delta
 from dflash_mlx.decoder import DraftProposer
 from dflash_mlx.emulate import EmulationError
 from dflash_mlx.kernels import gdn, gdn_tree
 from dflash_mlx.kernels.emulated import emulated_backend, main, run_kernel
 from dflash_mlx.kernels.gdn_tree import SLOTS, TreeIndex, random_parents
-from dflash_mlx.tree import Tree, build_tree
-from dflash_mlx.tree_decoder import TreeDecoder
+from dflash_mlx.tree.build import Tree, build_tree
+from dflash_mlx.tree import TreeDecoder
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
 KERNEL = gdn_tree.KERNEL

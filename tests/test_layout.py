@@ -131,6 +131,28 @@ def test_kernels_know_no_models():
             assert deps <= allowed, f"{name} imports {sorted(deps - allowed)}"
 
 
+@pytest.mark.parametrize("folder", ["draft", "target", "tree"])
+def test_each_concept_has_one_door(folder):
+    """Modules outside draft/, target/ and tree/ import only the subpackage
+    itself (what its ``__init__`` names), never one of its modules."""
+    package = f"{PACKAGE}.{folder}"
+    inside = {m for m in modules() if m.startswith(f"{package}.")}
+    assert inside, package
+    reaching_in = [
+        f"{name} imports {sorted(deps & inside)}"
+        for name, deps in import_graph().items()
+        if name != package and not name.startswith(f"{package}.") and deps & inside
+    ]
+    assert not reaching_in, "\n".join(reaching_in)
+
+
+def test_the_door_rule_sees_a_module_reaching_in(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from ..draft.cache import DraftContextCache\nfrom ..draft import DFlashDraft\n")
+    known = {"p", "p.draft", "p.draft.cache", "p.x.m"}
+    assert imports("p.x.m", path, known) == {"p.draft.cache", "p.draft"}
+
+
 @pytest.mark.parametrize("name", sorted(modules()))
 def test_modules_stay_small(name):
     lines = modules()[name].read_text().count("\n")

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.tree import Tree, build_tree, draft_tree, top_candidates
+from dflash_mlx.tree.build import Tree, build_tree, draft_tree, top_candidates
 
 
 def brute_force_scores(logprobs: np.ndarray) -> dict[tuple, float]:

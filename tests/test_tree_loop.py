@@ -19,8 +19,8 @@ from dflash_mlx import Target, load_draft
 from dflash_mlx.decoder import DraftProposer
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.sampling import BlockSampler, SamplingParams
-from dflash_mlx.tree_attention import PositionedRope, compact, tree_mask
-from dflash_mlx.tree_decoder import TreeDecoder
+from dflash_mlx.tree.attention import PositionedRope, compact, tree_mask
+from dflash_mlx.tree import TreeDecoder
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe"]
 BLOCK = 16

@@ -14,7 +14,7 @@ from checkpoints import build_target
 
 from dflash_mlx import Target
 from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
-from dflash_mlx.tree_decoder import TreeDecoder
+from dflash_mlx.tree import TreeDecoder
 
 BLOCK, BUDGET, RUNS = 4, 6, 800
 CONFIGS = {

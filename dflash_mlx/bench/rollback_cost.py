@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_update
 
-from ..gated_delta_steps import CHECKPOINT_EVERY, steps
+from ..target import CHECKPOINT_EVERY, steps
 from ..target import Target
 from .synthetic import PROMPT, RUNS, _autoregressive, hybrid_target
 

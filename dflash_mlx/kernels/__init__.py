@@ -8,11 +8,11 @@ reference with the same semantics, and dispatch through the kernel policy
 - ``kv_inject``: every draft layer's k_norm + RoPE and K/V layout after one
   stacked projection, used by the draft's injection plan.
 - ``qmm_verify``: quantized matmul for the 1..32 rows of a verified block,
-  used by the target's verify pass (:mod:`dflash_mlx.verify_matmuls`).
+  used by the target's verify pass (:mod:`dflash_mlx.target.verify_matmuls`).
 - ``gdn_verify``, ``gdn_replay``: GatedDeltaNet recurrence over a verified
-  block and its rollback by replay, used by :mod:`dflash_mlx.gated_delta`.
+  block and its rollback by replay, used by :mod:`dflash_mlx.target.gated_delta`.
 - ``gdn_tree_verify``: the same recurrence over a DDTree, each node from its
-  parent's state, used by :mod:`dflash_mlx.tree_gated_delta`.
+  parent's state, used by :mod:`dflash_mlx.tree.gated_delta`.
 
 On Linux the kernels are proven by running their sources through the CPU
 emulation harness: :mod:`.emulated` (``python -m dflash_mlx.kernels``).

@@ -4,7 +4,7 @@ The draft appends, for each layer l, ``K = rope(k_norm_l(k_proj_l(ctx)))`` at
 the context's absolute positions and ``V = v_proj_l(ctx)`` to layer l's
 context cache (docs/architecture.md, "Drafting"). Done layer by layer that is
 about 4n small ops. Here it is two: one matmul with the K/V projections of all
-layers stacked (``dflash_mlx/draft_injection.py`` builds it), then this one
+layers stacked (``dflash_mlx/draft/injection.py`` builds it), then this one
 launch, which applies every layer's k_norm and RoPE (given as inverse
 frequencies, a position scale and a magnitude scale) and lays K and V out for
 the caches.

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from .kernels import kv_inject
+from ..kernels import kv_inject
 
 PROBE_OFFSET = 37  # positions of the RoPE probe: offset .. offset + 2
 PROBE_TOLERANCE = 1e-4  # relative to the probe's largest value

@@ -26,11 +26,11 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 
-from .gated_delta import split_qkv
-from .kernels import gdn as gdn_kernels
-from .kernels.gdn_tree import KERNEL as TREE_KERNEL
-from .kernels.gdn_tree import TreeIndex
-from .tree import Tree
+from ..kernels import gdn as gdn_kernels
+from ..kernels.gdn_tree import KERNEL as TREE_KERNEL
+from ..kernels.gdn_tree import TreeIndex
+from ..target import split_qkv
+from .build import Tree
 
 
 @dataclass

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .layer_kinds import layer_kinds
 from .verify_matmuls import VerificationMatmuls, quantized_matmul
 

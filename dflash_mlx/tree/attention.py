@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE, YarnRoPE
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 # RoPE modules whose call is mx.fast.rope(x, ..., offset=offset) and nothing
 # else that depends on the offset (DynamicNTKScalingRoPE computes its base from it)

@@ -21,9 +21,9 @@ import mlx.nn as nn
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from .atomic import staged_file
-from .errors import DFlashError
-from .target import Target
+from ..atomic import staged_file
+from ..errors import DFlashError
+from ..target import Target
 
 RANKING_FILE = "draft_vocab.safetensors"
 RANKING_KEY = "token_ids"
@@ -43,7 +43,7 @@ def rank_tokens(token_ids: Iterable[int], vocab_size: int) -> np.ndarray:
 def rank_corpus(tokenizer, paths: Sequence[str], vocab_size: int) -> tuple[np.ndarray, int]:
     """(ranking, tokens counted) over text/JSONL files or directories, tokenized
     as ``dflash-mlx train`` reads its data."""
-    from .train.records import read_records, record_ids
+    from ..train.records import read_records, record_ids
 
     for path in paths:
         if not Path(path).expanduser().exists():

@@ -21,10 +21,10 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .draft_cache import DraftContextCache
-from .draft_injection import InjectionPlan
-from .errors import DFlashError
-from .kernels.registry import current_policy
+from .cache import DraftContextCache
+from .injection import InjectionPlan
+from ..errors import DFlashError
+from ..kernels.registry import current_policy
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -280,7 +280,7 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.injection_plan: Optional[InjectionPlan] = None  # see _injection
-        self.vocab_ranking = None  # ids by corpus frequency, stored beside the draft (draft_vocab.py)
+        self.vocab_ranking = None  # ids by corpus frequency, stored beside the draft (vocab.py)
 
     def make_cache(self) -> list[DraftContextCache]:
         """One context cache per layer; it only ever holds context positions, and

@@ -3,7 +3,7 @@
 A layer kind says which cache it runs on (from the model's own), the mask its
 layers take, how it runs a layer (recording what rollback needs when asked),
 and how it rolls its cache back to the first ``keep`` tokens of a verified
-block. The target adapter (``target.py``) only ever talks to kinds.
+block. The target adapter (``adapter.py``) only ever talks to kinds.
 
 - attention (full or sliding window): mlx-lm's own layer, a trimmable cache,
   rolled back by ``trim``;
@@ -24,7 +24,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from . import gated_delta
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 class LayerKind(Protocol):

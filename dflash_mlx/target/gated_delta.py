@@ -30,8 +30,8 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 
 from . import gated_delta_steps
-from .errors import DFlashError
-from .kernels import gdn as gdn_kernels
+from ..errors import DFlashError
+from ..kernels import gdn as gdn_kernels
 
 
 @dataclass

@@ -17,8 +17,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import mlx.core as mx
 
-from .errors import DFlashError
-from .target import Target
+from ..errors import DFlashError
+from .adapter import Target
 
 CHECK_TOKENS = 8  # prompt tokens the check runs on
 PLAIN_TOKENS = 3  # of which the first go through the plain forward, the rest through a verify pass

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .kernels import qmm
+from ..kernels import qmm
 
 
 def quantized_matmul(x: mx.array, module: nn.Module) -> Optional[mx.array]:

@@ -2,13 +2,13 @@
 
 Beside the chain (``decoder.SpeculativeDecoder``, whose prefill and bookkeeping
 it reuses): the proposer's b-1 per-position distributions become a tree of up
-to ``budget`` nodes (``tree.py``); the root y and the nodes run through the
+to ``budget`` nodes (``build.py``); the root y and the nodes run through the
 target as one flat sequence (``tree_forward``), each attention layer with the
-tree's mask and per-node RoPE positions (``tree_attention.py``), a quantized
+tree's mask and per-node RoPE positions (``attention.py``), a quantized
 target's matmuls through the verify kernel as in the chain; from the root
 the walk follows the target's greedy choice while it is a child; the path plus
 the target's choice after it are committed, the attention caches compacted to
-the path, GatedDeltaNet layers set to the path's end (``tree_gated_delta.py``),
+the path, GatedDeltaNet layers set to the path's end (``gated_delta.py``),
 and the path's features handed to the proposer in order.
 
 Every node's choice is the target's own: its argmax, or at temperature > 0 a
@@ -27,15 +27,13 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .decoder import Cycle, Proposer, SpeculativeDecoder
-from . import tree_gated_delta
-from .errors import DFlashError
-from .gated_delta import GatedDelta
-from .layer_kinds import Attention
-from .sampling import BlockSampler
-from .target import Forward, Target
-from .tree import Tree, build_tree, top_candidates, walk
-from .tree_attention import check_rope, compact, positioned_rope, tree_mask
+from ..decoder import Cycle, Proposer, SpeculativeDecoder
+from ..errors import DFlashError
+from ..sampling import BlockSampler
+from ..target import Attention, Forward, GatedDelta, Target
+from . import gated_delta
+from .attention import check_rope, compact, positioned_rope, tree_mask
+from .build import Tree, build_tree, top_candidates, walk
 
 
 def check_tree_target(target: Target) -> None:
@@ -62,7 +60,7 @@ def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) 
              for kind in target.kinds if isinstance(kind, Attention)}
     attention = [layer for layer, kind in zip(target.layers, target.kinds) if isinstance(kind, Attention)]
     recurrent = [layer for layer, kind in zip(target.layers, target.kinds) if isinstance(kind, GatedDelta)]
-    plan = tree_gated_delta.plan(tree, recurrent[0].linear_attn.conv_kernel_size) if recurrent else None
+    plan = gated_delta.plan(tree, recurrent[0].linear_attn.conv_kernel_size) if recurrent else None
     wanted, records = {}, [None] * target.num_layers
     h = target.embed(mx.array(tree.tokens)[None])
     with positioned_rope(attention, offset + mx.array(tree.depths)), target.verify_matmuls():
@@ -70,7 +68,7 @@ def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) 
             if isinstance(kind, Attention):
                 h, _ = kind(layer, h, masks[kind.name], c, False)
             else:
-                h, records[i] = tree_gated_delta.tree_layer(layer, h, plan, c)
+                h, records[i] = gated_delta.tree_layer(layer, h, plan, c)
             if i in layer_ids:
                 wanted[i] = h
     features = mx.concatenate([wanted[i] for i in layer_ids], axis=-1)
@@ -83,7 +81,7 @@ def commit(target: Target, cache: list, forward: Forward, offset: int, path: lis
         if isinstance(kind, Attention):
             compact(c, offset, path)
         else:
-            tree_gated_delta.commit(c, record, path)
+            gated_delta.commit(c, record, path)
 
 
 class TreeDecoder(SpeculativeDecoder):
