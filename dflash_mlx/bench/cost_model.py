@@ -32,8 +32,8 @@ is counted, quantized ones at bits/8 plus one scale and one bias per group.
 
 Not modelled: kernel launch and host synchronization per pass, attention and
 recurrence kernels below peak, the lower efficiency of small matmuls, and the
-tree's construction on the host; the README compares the result with
-published measurements.
+tree's construction on the host; docs/benchmarks.md ("Predicted speedup") compares
+the result with published measurements.
 """
 
 import copy
