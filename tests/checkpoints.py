@@ -117,6 +117,60 @@ _FAMILY = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "tie_word_embeddings": False,
     },
+    "qwen3_next": {  # GatedDeltaNet with head-grouped qkvz/ba projections, gated attention, MoE + shared expert
+        "architectures": ["Qwen3NextForCausalLM"],
+        "num_hidden_layers": 4,
+        "full_attention_interval": 2,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False,
+    },
+    "gemma4": {  # text_config below: per-layer inputs and KV-shared layers on
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "tie_word_embeddings": True,
+    },
+    "gemma4_text": {  # the 26B-A4B/31B shape: MoE beside the MLP, K = V on full layers, no sharing
+        "architectures": ["Gemma4ForCausalLM"],
+        "tie_word_embeddings": True,
+    },
+}
+# Gemma 4: sliding layers (window 4, smaller than a verify block) and full
+# layers with a wider head and partial proportional RoPE; soft-capped logits.
+_GEMMA4_TEXT = {
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention", "full_attention"] * 3,
+    "sliding_window": 4,
+    "global_head_dim": 32,
+    "final_logit_softcapping": 30.0,
+    "hidden_size_per_layer_input": 0,
+    "num_kv_shared_layers": 0,
+}
+_GEMMA4_FAMILY_TEXT = {
+    "gemma4": {  # layers 4 and 5 read the K/V of layers 2 and 3
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 512,
+        "num_kv_shared_layers": 2,
+    },
+    "gemma4_text": {
+        "attention_k_eq_v": True,
+        "num_global_key_value_heads": 1,
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 32,
+    },
 }
 _QWEN3_5_TEXT = {
     "num_hidden_layers": 4,
@@ -245,6 +299,12 @@ def _target_config(family: str, overrides: dict) -> dict:
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     config = {"model_type": family, **copy.deepcopy(_FAMILY[family])}
+    if family.startswith("gemma4"):
+        text = {**_BASE, **copy.deepcopy(_GEMMA4_TEXT), **_GEMMA4_FAMILY_TEXT[family], **overrides}
+        if family == "gemma4_text":
+            return {**text, **config}
+        text["model_type"] = "gemma4_text"
+        return {**config, "vocab_size": text["vocab_size"], "text_config": text}
     if not family.startswith("qwen3_5"):
         return {**_BASE, **config, **overrides}
     text = {**_BASE, **copy.deepcopy(_QWEN3_5_TEXT), "model_type": family + "_text"}
@@ -417,3 +477,4 @@ def write_draft(
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return config
+

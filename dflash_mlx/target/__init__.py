@@ -1,17 +1,17 @@
 """The target adapter: an mlx-lm model run layer by layer (``adapter.py``),
 exact rollback per layer kind (``layer_kinds.py``; GatedDeltaNet in
-``gated_delta.py`` and ``gated_delta_steps.py``), the quantized verify
-matmuls (``verify_matmuls.py``) and the load-time forward check
-(``forward_check.py``). Modules outside this folder use what is named here."""
+``gated_delta.py`` and ``gated_delta_steps.py``), Gemma 4's pass
+(``gemma4.py``), the quantized verify matmuls (``verify_matmuls.py``) and the
+load-time forward check (``forward_check.py``). Modules outside this folder use what is named here."""
 
 from .adapter import SUPPORTED_MODEL_TYPES, Forward, Target
 from .forward_check import check_forward
-from .gated_delta import GatedDelta, split_qkv
+from .gated_delta import GatedDelta, project, split_qkv
 from .gated_delta_steps import CHECKPOINT_EVERY, steps
 from .layer_kinds import Attention
 from .sharded import TensorParallelTarget, tensor_parallel_target
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "Forward", "Target", "check_forward", "GatedDelta", "split_qkv",
+    "SUPPORTED_MODEL_TYPES", "Forward", "Target", "check_forward", "GatedDelta", "project", "split_qkv",
     "CHECKPOINT_EVERY", "steps", "Attention", "TensorParallelTarget", "tensor_parallel_target",
 ]

@@ -5,7 +5,11 @@ logits-ready hidden states plus the features at ``target_layer_ids``, and it
 rolls every cache back exactly after a partially accepted block. How each
 layer runs and rolls back is its layer kind's business (``layer_kinds.py``):
 attention caches are trimmed; GatedDeltaNet layers go back to a state the
-verify pass went through, from what it recorded (``gated_delta.py``).
+verify pass went through, from what it recorded (``gated_delta.py``). How a
+family's pass enters, chains and leaves its layers is its stack's business:
+most call ``layer(h, mask, cache)`` on the embeddings (``PlainStack``); Gemma 4
+scales the embeddings, feeds per-layer inputs, shares K/V across layers and
+soft-caps the logits (``gemma4.py``).
 
 On a quantized target the verify pass (``forward(..., record=True)``) and the
 logits of up to 32 rows run their quantized matmuls through the block-verify
@@ -22,10 +26,33 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..errors import DFlashError
+from . import gemma4
 from .layer_kinds import layer_kinds
 from .verify_matmuls import VerificationMatmuls, quantized_matmul
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_next", "gemma4", "gemma4_text",
+)
+
+
+@dataclass(frozen=True)
+class PlainStack:
+    """A pass that calls ``layer(h, mask, cache)`` on the token embeddings and
+    takes the head's output as the logits."""
+
+    text: nn.Module  # the language model: ``model`` (the layers' owner) and ``args``
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.text.model.embed_tokens(tokens)
+
+    def layer_calls(self, layers: list, tokens: mx.array, h: mx.array) -> list:
+        return layers
+
+    def finish_logits(self, logits: mx.array) -> mx.array:
+        return logits
+
+
+STACKS = {"gemma4": gemma4.Gemma4Stack, "gemma4_text": gemma4.Gemma4Stack}  # model type -> stack; else PlainStack
 
 
 @dataclass
@@ -60,6 +87,7 @@ class Target:
         tied = getattr(text.args, "tie_word_embeddings", False)
         self.lm_head = self.inner.embed_tokens.as_linear if tied else text.lm_head
         self.head_module = self.inner.embed_tokens if tied else text.lm_head  # holds the head's weights
+        self.stack = STACKS.get(model_type, PlainStack)(text)
         self.verify_matmuls = VerificationMatmuls(model)  # with target.verify_matmuls(): one verify pass
 
     @property
@@ -75,12 +103,15 @@ class Target:
         return self.args.vocab_size
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.inner.embed_tokens(tokens)
+        """The embeddings the target's first layer takes (and the draft borrows)."""
+        return self.stack.embed(tokens)
 
     def make_cache(self) -> list:
         """The model's own cache list, each entry as its layer kind runs on it
         (a rotating cache of a sliding layer becomes a plain one; a cache that
-        cannot roll back is refused)."""
+        cannot roll back is refused). A model whose last layers read earlier
+        layers' K/V (Gemma 4) makes caches for the owning layers only: the
+        list is shorter than the layers, and only those caches roll back."""
         make = getattr(self.model, "make_cache", None)
         cache = make() if make else [KVCache() for _ in self.layers]
         return [kind.cache(c) for kind, c in zip(self.kinds, cache)]
@@ -97,7 +128,7 @@ class Target:
         With ``record=True`` (block verification) each layer also returns what
         its kind needs for ``rollback``.
         """
-        cache = cache if cache is not None else [None] * self.num_layers
+        cache = list(cache or []) + [None] * (self.num_layers - len(cache or []))  # layers owning none: None
         h = self.embed(tokens)
         masks = {}
         for kind, c in zip(self.kinds, cache):
@@ -105,8 +136,9 @@ class Target:
                 masks[kind.name] = kind.mask(h, c)
         wanted = {i: None for i in layer_ids}
         records = [None] * self.num_layers
+        layers = self.stack.layer_calls(self.layers, tokens, h)
         with self.verify_matmuls() if record else contextlib.nullcontext():
-            for i, (layer, kind, c) in enumerate(zip(self.layers, self.kinds, cache)):
+            for i, (layer, kind, c) in enumerate(zip(layers, self.kinds, cache)):
                 h, records[i] = kind(layer, h, masks[kind.name], c, record)
                 if i in wanted:
                     wanted[i] = h
@@ -114,11 +146,12 @@ class Target:
         return Forward(self.inner.norm(h), features, records if record else None)
 
     def logits(self, hidden: mx.array) -> mx.array:
+        """The model's logits from final-normed hidden states (soft-capped where
+        the model caps them), for verification and for the draft."""
+        out = None
         if isinstance(self.head_module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             out = quantized_matmul(hidden, self.head_module)
-            if out is not None:
-                return out
-        return self.lm_head(hidden)
+        return self.stack.finish_logits(self.lm_head(hidden) if out is None else out)
 
     def rollback(self, cache: list, forward: Forward, keep: int) -> None:
         """Leave ``cache`` exactly as if only the first ``keep`` tokens of the
@@ -126,5 +159,5 @@ class Target:
         block = forward.hidden.shape[1]
         if keep == block:
             return
-        for kind, c, rec in zip(self.kinds, cache, forward.records):
+        for kind, c, rec in zip(self.kinds, cache, forward.records):  # layers that own a cache
             kind.rollback(c, rec, keep, block)

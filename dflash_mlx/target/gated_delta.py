@@ -1,7 +1,10 @@
-"""The GatedDeltaNet layer kind (Qwen3.5/3.6 hybrids): recording forward and exact rollback.
+"""The GatedDeltaNet layer kind (Qwen3.5/3.6 and Qwen3-Next hybrids): recording
+forward and exact rollback.
 
 The verify pass runs the layer's own submodules in the same order as
-``mlx_lm.models.qwen3_5.GatedDeltaNet`` and records the conv input and the
+``mlx_lm.models.qwen3_5.GatedDeltaNet`` (or ``qwen3_next.Qwen3NextGatedDeltaNet``:
+the same convolution and gated delta rule behind a differently laid-out input
+projection, ``project``) and records the conv input and the
 per-step q, k, v, a, b together with the state it started from. Rollback to
 ``keep`` accepted tokens slices the conv window and sets the recurrent state
 to the one after ``keep`` steps, bit-identical to the state the verify pass
@@ -66,15 +69,25 @@ def split_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, m
     return q, k, v
 
 
+def project(gdn: nn.Module, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The convolution's input (q, k, v side by side) [B, S, conv_dim], z [B, S, Hv, Dv],
+    b and a [B, S, Hv] of a GatedDeltaNet over ``x``, from either projection layout:
+    qwen3_5's separate ``in_proj_qkv/z/b/a``, or qwen3_next's head-grouped
+    ``in_proj_qkvz``/``in_proj_ba``, unscrambled by the layer's own method."""
+    B, S, _ = x.shape
+    if hasattr(gdn, "in_proj_qkvz"):
+        q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+        return mx.concatenate([t.reshape(B, S, -1) for t in (q, k, v)], axis=-1), z, b, a
+    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
+    return gdn.in_proj_qkv(x), z, gdn.in_proj_b(x), gdn.in_proj_a(x)
+
+
 def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
     """GatedDeltaNet forward over [B, T, H] that also returns its record."""
     if mask is not None or cache.lengths is not None:
         raise NotImplementedError("padded batches are not supported in verification")
     B, S, _ = x.shape
-    qkv = gdn.in_proj_qkv(x)
-    z = gdn.in_proj_z(x).reshape(B, S, gdn.num_v_heads, gdn.head_v_dim)
-    b = gdn.in_proj_b(x)
-    a = gdn.in_proj_a(x)
+    qkv, z, b, a = project(gdn, x)
     conv_state = cache[0]
     if conv_state is None:
         conv_state = mx.zeros((B, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
@@ -112,7 +125,7 @@ def _metal_in_use() -> bool:
 
 
 def recording_layer(layer: nn.Module, x: mx.array, mask, cache: ArraysCache):
-    """A qwen3_5 decoder layer whose GatedDeltaNet records for rollback."""
+    """A qwen3_5 or qwen3_next decoder layer whose GatedDeltaNet records for rollback."""
     r, record = recording_attention(layer.linear_attn, layer.input_layernorm(x), mask, cache)
     h = x + r
     return h + layer.mlp(layer.post_attention_layernorm(h)), record
@@ -148,7 +161,7 @@ def restore(cache: ArraysCache, record: GatedDeltaRecord, keep: int) -> None:
 
 
 class GatedDelta:
-    """Layer kind of mlx-lm's qwen3_5 GatedDeltaNet layers (``layer.is_linear``),
+    """Layer kind of mlx-lm's qwen3_5 and qwen3_next GatedDeltaNet layers (``layer.is_linear``),
     whose cache is an ``ArraysCache`` of conv and recurrent state."""
 
     name = "gated_delta"

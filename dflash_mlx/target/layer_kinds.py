@@ -85,8 +85,10 @@ class Attention:
 
 def layer_kinds(inner: nn.Module, layers: list) -> list[LayerKind]:
     """The kind of every layer: a recurrent kind that claims it, else sliding
-    attention (the layer's flag, or the model's ``layer_types``), else full."""
-    types = getattr(inner, "layer_types", None) or [None] * len(layers)  # gpt-oss names them
+    attention (the layer's flag, the model's ``layer_types`` or the layer's
+    ``layer_type``), else full."""
+    # gpt-oss names them on the model, Gemma 4 on each layer
+    types = getattr(inner, "layer_types", None) or [getattr(layer, "layer_type", None) for layer in layers]
     window = getattr(inner, "sliding_window", None) or getattr(inner, "window_size", None)
     full, sliding = Attention("full_attention"), Attention("sliding_attention", window)
     kinds = []

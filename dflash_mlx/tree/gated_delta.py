@@ -29,7 +29,7 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 from ..kernels import gdn as gdn_kernels
 from ..kernels.gdn_tree import KERNEL as TREE_KERNEL
 from ..kernels.gdn_tree import TreeIndex
-from ..target import split_qkv
+from ..target import project, split_qkv
 from .build import Tree
 
 
@@ -69,9 +69,7 @@ class TreeRecord:
 def tree_attention(gdn: nn.Module, x: mx.array, tree_plan: TreePlan, cache: ArraysCache):
     """The GatedDeltaNet over the flattened tree [1, N, H]; (output, record)."""
     _, N, _ = x.shape
-    qkv = gdn.in_proj_qkv(x)
-    z = gdn.in_proj_z(x).reshape(1, N, gdn.num_v_heads, gdn.head_v_dim)
-    b, a = gdn.in_proj_b(x), gdn.in_proj_a(x)
+    qkv, z, b, a = project(gdn, x)
     conv_state = cache[0]
     if conv_state is None:
         conv_state = mx.zeros((1, gdn.conv_kernel_size - 1, gdn.conv_dim), dtype=x.dtype)
@@ -89,7 +87,7 @@ def tree_attention(gdn: nn.Module, x: mx.array, tree_plan: TreePlan, cache: Arra
 
 
 def tree_layer(layer: nn.Module, x: mx.array, tree_plan: TreePlan, cache: ArraysCache):
-    """A qwen3_5 decoder layer over the flattened tree; (output, record)."""
+    """A qwen3_5 or qwen3_next decoder layer over the flattened tree; (output, record)."""
     r, record = tree_attention(layer.linear_attn, layer.input_layernorm(x), tree_plan, cache)
     h = x + r
     return h + layer.mlp(layer.post_attention_layernorm(h)), record

@@ -1,0 +1,123 @@
+"""Gemma 4 targets (docs/targets.md, "Gemma 4"): lossless against mlx-lm with
+per-layer inputs and KV-shared layers on, exact rollback at every acceptance
+length (only the layers owning a cache roll back; the sharing layers read the
+rolled-back state), the tapped features, and the draft's borrowed embeddings
+and soft-capped logits against their equations."""
+
+import math
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+from test_loop import (
+    OracleProposer, assert_caches_identical, assert_same_or_near_tie, feed_right_padded, greedy_reference,
+)
+
+from dflash_mlx import Target, generate, load_draft
+from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder
+
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def gemma(target_dirs, draft_dir):
+    """family -> (model, tokenizer, draft) for both Gemma 4 checkpoint types."""
+    out = {}
+    for family in ("gemma4", "gemma4_text"):
+        model, tokenizer = mlx_lm_load(str(target_dirs[family]))
+        draft = load_draft(str(draft_dir(family, block_size=16, layer_types=["sliding_attention", "full_attention"],
+                                         sliding_window=5, target_layer_ids=[1, 4])))
+        out[family] = (model, tokenizer, draft)
+    return out
+
+
+def test_the_fixture_shares_kv_and_feeds_per_layer_inputs(gemma):
+    model = gemma["gemma4"][0]
+    inner = model.language_model.model
+    assert inner.hidden_size_per_layer_input > 0
+    assert inner.previous_kvs == [0, 1, 2, 3, 2, 3]  # layers 4 and 5 attend over layers 2 and 3's K/V
+    assert len(Target(model).make_cache()) == 4
+
+
+@pytest.mark.parametrize("block_size", [3, 16])
+def test_greedy_output_is_mlx_lm_greedy_output(gemma, block_size):
+    model, tokenizer, draft = gemma["gemma4"]
+    ids = tokenizer.encode(PROMPT)
+    want = greedy_reference(model, ids, 48)
+    res = generate(model, draft, tokenizer, PROMPT, max_tokens=48, block_size=block_size)
+    assert len(set(want)) > 8, "fixture too degenerate to prove anything"
+    assert_same_or_near_tie(model, ids, res.tokens, want)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_text"])
+def test_rollback_at_every_acceptance_length(gemma, family):
+    """After each cycle the owning layers' caches are bit-identical to ones fed
+    only the accepted tokens, and the output (which the sharing layers shape)
+    is mlx-lm's own greedy continuation."""
+    model, tokenizer, _ = gemma[family]
+    target, block_size = Target(model), 6
+    prompt = tokenizer.encode(PROMPT)
+    continuation = greedy_reference(model, prompt, 3 * block_size + 2)
+    for corrupt_at in [*range(block_size - 1), None]:
+        oracle = OracleProposer(len(prompt), continuation, corrupt_at, target.vocab_size)
+        decoder = SpeculativeDecoder(target, oracle, [0], block_size, prefill_step_size=3)
+        out = [decoder.prefill(mx.array(prompt))]
+        reference = target.make_cache()
+        for start in range(0, len(prompt), 3):
+            target.forward(mx.array(prompt[start : start + 3])[None], reference, [0])
+        for _ in range(2):
+            block = mx.concatenate([decoder.pending, decoder.drafted])
+            cycle = decoder.cycle()
+            assert cycle.accepted == (block_size - 1 if corrupt_at is None else corrupt_at)
+            out += cycle.tokens
+            assert out == continuation[: len(out)]
+            feed_right_padded(target, reference, block, cycle.accepted + 1)
+            assert_caches_identical(decoder.cache, reference)
+
+
+def test_features_are_the_outputs_of_the_tapped_layers(gemma, target_dirs):
+    """Layer 4 reads layer 2's K/V: its output in the features is what mlx-lm's
+    own forward, cut after layer 4, gives."""
+    model, tokenizer, draft = gemma["gemma4"]
+    target = Target(model)
+    ids = mx.array(tokenizer.encode("write a short story about a cat who"))[None]
+    features = target.forward(ids, target.make_cache(), [1, 4]).features
+    H = target.hidden_size
+    for k, layer_id in enumerate([1, 4]):
+        cut, _ = mlx_lm_load(str(target_dirs["gemma4"]))
+        inner = cut.language_model.model
+        inner.layers = inner.layers[: layer_id + 1]
+        inner.norm = lambda h: h
+        want = inner(ids)
+        assert mx.allclose(features[..., k * H : (k + 1) * H], want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_the_draft_borrows_scaled_embeddings_and_the_softcapped_tied_head(gemma):
+    """propose() = 30 tanh(E h / 30) over the draft's hidden states for the block
+    embedded as E[ids] * sqrt(hidden_size), E the target's tied embedding."""
+    model, tokenizer, draft = gemma["gemma4"]
+    target = Target(model)
+    E = model.language_model.model.embed_tokens.weight
+    H, cap = target.hidden_size, model.language_model.args.final_logit_softcapping
+    assert cap == 30.0
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    features = target.forward(prompt[None], target.make_cache(), draft.config.target_layer_ids).features
+    proposer = DraftProposer(draft, target)
+    proposer.observe(features, prompt)
+    y, b = mx.array([17]), 8
+    got = proposer.propose(y, b)
+
+    block = mx.concatenate([y, mx.full((b - 1,), draft.config.mask_token_id, dtype=y.dtype)])
+    embeddings = E[block][None] * math.sqrt(H)
+    assert mx.allclose(target.embed(block[None]), embeddings, rtol=1e-6, atol=1e-6).item()
+    cache = draft.make_cache()
+    draft.inject(features, cache)
+    hidden = draft(embeddings, cache)[0, 1:]
+    want = cap * mx.tanh((hidden @ E.T) / cap)
+    assert got.shape == (b - 1, target.vocab_size)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+    assert mx.max(mx.abs(got)).item() < cap
+    assert not mx.allclose(hidden @ E.T, want, rtol=1e-5, atol=1e-4).item()  # a missing cap would show
+    unscaled = draft.make_cache()
+    draft.inject(features, unscaled)
+    assert not mx.allclose(draft(E[block][None], unscaled)[0, 1:], hidden, rtol=1e-3, atol=1e-3).item()  # and the scale

@@ -1,0 +1,93 @@
+"""Qwen3-Next targets (docs/targets.md, "Qwen3-Next"): the GatedDeltaNet layer
+kind of qwen3_5 behind the head-grouped qkvz/ba projections; lossless against
+mlx-lm on the chain and the DDTree, exact rollback at every acceptance length."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.models.cache import KVCache
+from test_loop import (
+    OracleProposer, assert_caches_identical, assert_same_or_near_tie, feed_right_padded, greedy_reference,
+)
+
+from dflash_mlx import Target, generate, load_draft
+from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder
+from dflash_mlx.target import GatedDelta
+from dflash_mlx.tree import TreeDecoder
+
+PROMPT = "write a short story about a cat who"
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(target_dirs, draft_dir):
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3_next"]))
+    return model, tokenizer, load_draft(str(draft_dir("qwen3_next", block_size=16)))
+
+
+def test_its_linear_layers_are_the_gated_delta_kind(qwen3_next):
+    model = qwen3_next[0]
+    kinds = Target(model).kinds
+    assert [isinstance(k, GatedDelta) for k in kinds] == [True, False, True, False]
+    assert all(hasattr(layer.linear_attn, "in_proj_qkvz") for layer in model.layers[::2])
+
+
+def test_recording_forward_matches_the_plain_forward(qwen3_next):
+    model, tokenizer, _ = qwen3_next
+    target = Target(model)
+    tokens = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog"))[None]
+    caches = [target.make_cache(), target.make_cache()]
+    for cache in caches:
+        target.forward(tokens[:, :4], cache, [1])
+    plain = target.forward(tokens[:, 4:], caches[0], [1])
+    recorded = target.forward(tokens[:, 4:], caches[1], [1], record=True)
+    assert mx.array_equal(plain.hidden, recorded.hidden) and mx.array_equal(plain.features, recorded.features)
+    for a, b in zip(*caches):
+        if not isinstance(a, KVCache):
+            assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_output_is_mlx_lm_greedy_output(qwen3_next, block_size):
+    model, tokenizer, draft = qwen3_next
+    ids = tokenizer.encode(PROMPT)
+    want = greedy_reference(model, ids, 48)
+    res = generate(model, draft, tokenizer, PROMPT, max_tokens=48, block_size=block_size)
+    assert len(set(want)) > 8, "fixture too degenerate to prove anything"
+    assert_same_or_near_tie(model, ids, res.tokens, want)
+
+
+def test_tree_greedy_output_is_mlx_lm_greedy_output(qwen3_next):
+    model, tokenizer, draft = qwen3_next
+    target = Target(model)
+    ids = tokenizer.encode(PROMPT)
+    want = greedy_reference(model, ids, 32)
+    decoder = TreeDecoder(target, DraftProposer(draft, target), draft.config.target_layer_ids, 16, 16,
+                          prefill_step_size=5)
+    got = [decoder.prefill(mx.array(ids))]
+    while len(got) < 32:
+        got += decoder.cycle().tokens
+    assert_same_or_near_tie(model, ids, got[:32], want)
+
+
+def test_rollback_at_every_acceptance_length(qwen3_next):
+    """After each cycle the cache is bit-identical to one fed only the accepted
+    tokens (mlx-lm's right padding), and the output is mlx-lm's greedy one."""
+    model, tokenizer, _ = qwen3_next
+    target, block_size = Target(model), 6
+    prompt = tokenizer.encode("the quick brown fox")
+    continuation = greedy_reference(model, prompt, 3 * block_size + 2)
+    for corrupt_at in [*range(block_size - 1), None]:
+        oracle = OracleProposer(len(prompt), continuation, corrupt_at, target.vocab_size)
+        decoder = SpeculativeDecoder(target, oracle, [0], block_size, prefill_step_size=3)
+        out = [decoder.prefill(mx.array(prompt))]
+        reference = target.make_cache()
+        for start in range(0, len(prompt), 3):
+            target.forward(mx.array(prompt[start : start + 3])[None], reference, [0])
+        for _ in range(2):
+            block = mx.concatenate([decoder.pending, decoder.drafted])
+            cycle = decoder.cycle()
+            assert cycle.accepted == (block_size - 1 if corrupt_at is None else corrupt_at)
+            out += cycle.tokens
+            assert out == continuation[: len(out)]
+            feed_right_padded(target, reference, block, cycle.accepted + 1)
+            assert_caches_identical(decoder.cache, reference)
