@@ -367,6 +367,36 @@ def write_target(path: Path, family: str, seed: int = 0, utf8: bool = False, **o
     return config
 
 
+# Tensors a multimodal qwen3_5 checkpoint carries beside the language model (name -> shape):
+# a vision tower under mlx-vlm's and Hugging Face's names, and a multi-token-prediction head.
+VISION_AND_MTP_TENSORS = {
+    "vision_tower.blocks.0.attn.qkv.weight": (48, 16),
+    "vision_tower.merger.mlp.0.weight": (64, 16),
+    "model.visual.patch_embed.proj.weight": (16, 3, 2, 2, 2),
+    "mtp.fc.weight": (64, 128),
+    "mtp.layers.0.mlp.gate_proj.weight": (128, 64),
+}
+
+
+def write_vision_carrying_target(path: Path, family: str = "qwen3_5", seed: int = 0) -> dict:
+    """``write_target`` plus ``VISION_AND_MTP_TENSORS`` in a second shard (listed in
+    mlx-lm's index) and a ``vision_config``, as multimodal checkpoints (Qwen3.8)
+    ship. Returns the config."""
+    config = write_target(path, family, seed)
+    path = Path(path)
+    rng = np.random.default_rng(seed + 1)
+    extra = {name: mx.array(rng.normal(0.0, 0.05, shape).astype(np.float32))
+             for name, shape in VISION_AND_MTP_TENSORS.items()}
+    mx.save_safetensors(str(path / "model-extra.safetensors"), extra, metadata={"format": "mlx"})
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({name: "model-extra.safetensors" for name in extra})
+    index_path.write_text(json.dumps(index, indent=4))
+    config.update(vision_config={"depth": 1, "hidden_size": 16, "out_hidden_size": 64}, image_token_id=3)
+    (path / "config.json").write_text(json.dumps(config, indent=4))
+    return config
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """z-lab's default ids, clamped to the target's layers and kept distinct if possible."""
     L, n = num_target_layers, num_draft_layers
