@@ -21,13 +21,15 @@ def llama(target_dirs, draft_dir):
 
 def test_kinds_per_family(target_dirs):
     kinds = {}
-    for family in ("qwen3", "qwen3_5", "gpt_oss"):
+    for family in ("qwen3", "qwen3_5", "gpt_oss", "qwen3_next", "gemma4"):
         model, _ = mlx_lm_load(str(target_dirs[family]))
         kinds[family] = Target(model).kinds
     assert {k.name for k in kinds["qwen3"]} == {"full_attention"}
     assert GATED_DELTA in kinds["qwen3_5"] and Attention("full_attention") in kinds["qwen3_5"]
     assert [k.name for k in kinds["gpt_oss"]] == ["sliding_attention", "full_attention"] * 2
     assert kinds["gpt_oss"][0].window == 4
+    assert kinds["qwen3_next"] == [GATED_DELTA, Attention("full_attention")] * 2  # the same recurrence as qwen3_5
+    assert kinds["gemma4"] == [Attention("sliding_attention", 4), Attention("full_attention")] * 3  # each layer's type
 
 
 @pytest.mark.parametrize("make, name", [
