@@ -40,6 +40,9 @@ KNOWN_PAIRS: dict[str, Draft] = {
     "Qwen/Qwen3-Coder-30B-A3B-Instruct": Draft("z-lab/Qwen3-Coder-30B-A3B-DFlash"),
     "openai/gpt-oss-20b": Draft("z-lab/gpt-oss-20b-DFlash"),
     "openai/gpt-oss-120b": Draft("z-lab/gpt-oss-120b-DFlash"),
+    "Qwen/Qwen3-Coder-Next": Draft("z-lab/Qwen3-Coder-Next-DFlash"),
+    "google/gemma-4-26B-A4B-it": Draft("z-lab/gemma-4-26B-A4B-it-DFlash"),
+    "google/gemma-4-31B-it": Draft("z-lab/gemma-4-31B-it-DFlash"),
 }
 
 # Other names the same targets go by (mlx-community renames some of them).

@@ -15,6 +15,7 @@ from test_loop import (
 
 from dflash_mlx import Target, generate, load_draft
 from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder
+from dflash_mlx.registry import find_draft
 
 PROMPT = "the quick brown fox"
 
@@ -121,3 +122,12 @@ def test_the_draft_borrows_scaled_embeddings_and_the_softcapped_tied_head(gemma)
     unscaled = draft.make_cache()
     draft.inject(features, unscaled)
     assert not mx.allclose(draft(E[block][None], unscaled)[0, 1:], hidden, rtol=1e-3, atol=1e-3).item()  # and the scale
+
+
+@pytest.mark.parametrize("target, draft", [
+    ("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash"),
+    ("mlx-community/gemma-4-26b-a4b-it-4bit", "z-lab/gemma-4-26B-A4B-it-DFlash"),
+    ("mlx-community/gemma-4-31b-it-8bit", "z-lab/gemma-4-31B-it-DFlash"),
+])
+def test_the_registry_knows_the_published_gemma4_drafts(target, draft):
+    assert find_draft(target) == draft

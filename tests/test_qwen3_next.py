@@ -12,6 +12,7 @@ from test_loop import (
 
 from dflash_mlx import Target, generate, load_draft
 from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder
+from dflash_mlx.registry import find_draft
 from dflash_mlx.target import GatedDelta
 from dflash_mlx.tree import TreeDecoder
 
@@ -91,3 +92,7 @@ def test_rollback_at_every_acceptance_length(qwen3_next):
             assert out == continuation[: len(out)]
             feed_right_padded(target, reference, block, cycle.accepted + 1)
             assert_caches_identical(decoder.cache, reference)
+
+
+def test_the_registry_knows_the_published_qwen3_coder_next_draft():
+    assert find_draft("mlx-community/Qwen3-Coder-Next-4bit") == "z-lab/Qwen3-Coder-Next-DFlash"
