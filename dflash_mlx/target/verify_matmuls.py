@@ -1,8 +1,12 @@
 """A quantized target's verify pass through the block-verify matmul kernel.
 
 ``VerificationMatmuls`` finds one model instance's ``nn.QuantizedLinear``
-layers once; for the duration of one verify pass it stands a
-:class:`VerifyLinear` in for each of them, and puts them back after it. No
+layers once; while a verify pass of that instance is under way it stands a
+:class:`VerifyLinear` in for each of them, and puts them back when the last
+such pass ends. A stand-in runs the kernel only for a call made inside a
+verify pass of its model in the same thread (or asyncio task); any other call,
+say another thread's prefill on the same model, goes to the layer itself, so
+concurrent generations on one model each compute what they would alone. No
 mlx-lm class is patched, other instances are untouched, and the module tree
 (parameters, weights) never changes. Where the ``qmm_verify`` kernel cannot
 run nothing is swapped; inputs it does not cover go to the layer's own call.
@@ -11,6 +15,8 @@ run nothing is swapped; inputs it does not cover go to the layer's own call.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 from typing import Any, Iterator, Optional
 
 import mlx.core as mx
@@ -18,6 +24,12 @@ import mlx.nn as nn
 import numpy as np
 
 from ..kernels import qmm
+
+# ids of the models whose verify pass this thread (or task) is running
+_VERIFYING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("dflash_verifying", default=frozenset())
+# verify passes under way per model id, in every thread; the stand-ins stay while any runs
+_PASSES: dict[int, int] = {}
+_PASSES_LOCK = threading.Lock()
 
 
 def quantized_matmul(x: mx.array, module: nn.Module) -> Optional[mx.array]:
@@ -41,14 +53,16 @@ def quantized_matmul(x: mx.array, module: nn.Module) -> Optional[mx.array]:
 
 
 class VerifyLinear:
-    """Stands in for one ``nn.QuantizedLinear`` while a block is verified: the
-    kernel where it covers the input, else the layer's own call."""
+    """Stands in for one ``nn.QuantizedLinear`` of model ``model_id`` while a
+    block is verified: in that verify pass the kernel where it covers the
+    input, else (and for every other caller) the layer's own call."""
 
-    def __init__(self, inner: nn.QuantizedLinear):
+    def __init__(self, inner: nn.QuantizedLinear, model_id: int):
         self.inner = inner
+        self.model_id = model_id
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = quantized_matmul(x, self.inner)
+        y = quantized_matmul(x, self.inner) if self.model_id in _VERIFYING.get() else None
         return self.inner(x) if y is None else y
 
     def __getattr__(self, name: str) -> Any:  # weight, scales, bits ... as the layer's
@@ -94,23 +108,34 @@ class VerificationMatmuls:
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[int]:
-        """Within the block, the instance's quantized linears use the kernel.
-        Yields how many were swapped (0 where the kernel cannot run)."""
+        """Within the block, the instance's quantized linears use the kernel
+        for this thread. Yields how many were swapped (0 where the kernel cannot run)."""
         if not self.sites or not qmm.KERNEL.enabled():
             yield 0
             return
-        done = []
+        key = id(self.model)
+        with _PASSES_LOCK:
+            if not _PASSES.get(key):
+                self._swap()
+            _PASSES[key] = _PASSES.get(key, 0) + 1
+        token = _VERIFYING.set(_VERIFYING.get() | {key})
         try:
-            for parent, key, layer in self.sites:
-                # an instance attribute shadows the module's child of the same
-                # name for attribute lookup; the child itself (the parameter
-                # tree) is left as it is. nn.Module.__setattr__ would drop it.
-                object.__setattr__(parent, key, VerifyLinear(layer))
-                done.append((parent, key))
-            yield len(done)
+            yield len(self.sites)
         finally:
-            for parent, key in reversed(done):
-                vars(parent).pop(key, None)
+            _VERIFYING.reset(token)
+            with _PASSES_LOCK:
+                _PASSES[key] -= 1
+                if not _PASSES[key]:
+                    del _PASSES[key]
+                    for parent, name, _ in self.sites:
+                        vars(parent).pop(name, None)
+
+    def _swap(self) -> None:
+        for parent, name, layer in self.sites:
+            # an instance attribute shadows the module's child of the same
+            # name for attribute lookup; the child itself (the parameter
+            # tree) is left as it is. nn.Module.__setattr__ would drop it.
+            object.__setattr__(parent, name, VerifyLinear(layer, id(self.model)))
 
 
 def verification_matmuls(model: nn.Module):

@@ -7,18 +7,19 @@ its own path had been fed as a chain:
 - ``tree_mask``: the committed context and the node's ancestors and itself
   (boolean [N, offset+N]), and on a sliding layer only keys whose *position*
   lies within the window of the node's position;
-- ``positioned_rope``: each node rotated at position offset + depth, not at its
-  flat index. For the pass only, each attention instance's ``rope`` is a
+- ``positioned``: each node rotated at position offset + depth, not at its
+  flat index. The pass calls each attention layer through an ``Overlay`` that
+  reads as the layer except that its attention's ``rope`` is a
   ``PositionedRope`` around its own, which hands ``mx.fast.rope`` one offset
   per token (the tokens laid out as its batch), so every RoPE variant that
   passes its offset straight to ``mx.fast.rope`` is rotated exactly as it
-  rotates a chain; any other variant is refused;
+  rotates a chain; any other variant is refused. The model itself is never
+  changed, so other threads can run it during the pass;
 - ``compact``: after the walk, the accepted path's keys and values are
   gathered to the positions right after the context and the rest is trimmed.
 """
 
-import contextlib
-from typing import Iterator, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -58,11 +59,10 @@ def tree_mask(parents: list[int], depths: list[int], offset: int, window=None) -
     return mx.concatenate([context, tree], axis=1)
 
 
-class PositionedRope(nn.Module):
+class PositionedRope:
     """A layer's RoPE that rotates token t of a pass at ``positions[t]``."""
 
     def __init__(self, rope: nn.Module, positions: mx.array):
-        super().__init__()
         self.inner = rope
         self.positions = positions
 
@@ -71,6 +71,21 @@ class PositionedRope(nn.Module):
         B, H, T, D = x.shape
         rotated = self.inner(x.transpose(2, 0, 1, 3).reshape(T, B * H, 1, D), offset=self.positions)
         return rotated.reshape(T, B, H, D).transpose(1, 2, 0, 3)
+
+
+class Overlay:
+    """Reads as ``module`` except for the attributes given, and calls as it does
+    (its class's ``__call__`` run with the overlay as ``self``): a changed view
+    of one module for one call that leaves the module itself as it is."""
+
+    def __init__(self, module: nn.Module, **replaced: Any):
+        self.__dict__.update(replaced, _module=module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __call__(self, *args, **kwargs):
+        return type(self._module).__call__(self, *args, **kwargs)
 
 
 def attention_of(layer: nn.Module) -> nn.Module:
@@ -85,17 +100,10 @@ def check_rope(layer: nn.Module) -> None:
         raise DFlashError(f"tree verification does not support the target's RoPE ({type(rope).__name__})")
 
 
-@contextlib.contextmanager
-def positioned_rope(layers: Sequence[nn.Module], positions: mx.array) -> Iterator[None]:
-    """For the duration of one pass, rotate these layers' tokens at ``positions``."""
-    originals = [attention_of(layer).rope for layer in layers]
-    try:
-        for layer, rope in zip(layers, originals):
-            attention_of(layer).rope = PositionedRope(rope, positions)
-        yield
-    finally:
-        for layer, rope in zip(layers, originals):
-            attention_of(layer).rope = rope
+def positioned(layer: nn.Module, positions: mx.array) -> Overlay:
+    """``layer`` as a callable whose attention rotates token t at ``positions[t]``."""
+    attention = attention_of(layer)
+    return Overlay(layer, self_attn=Overlay(attention, rope=PositionedRope(attention.rope, positions)))
 
 
 def compact(cache, offset: int, path: list[int]) -> None:

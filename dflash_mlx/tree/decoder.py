@@ -32,7 +32,7 @@ from ..errors import DFlashError
 from ..sampling import BlockSampler
 from ..target import Attention, Forward, GatedDelta, Target
 from . import gated_delta
-from .attention import check_rope, compact, positioned_rope, tree_mask
+from .attention import check_rope, compact, positioned, tree_mask
 from .build import Tree, build_tree, top_candidates, walk
 
 
@@ -58,13 +58,15 @@ def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) 
     offset = context_length(target, cache)
     masks = {kind.name: tree_mask(tree.parents, tree.depths, offset, kind.window)
              for kind in target.kinds if isinstance(kind, Attention)}
-    attention = [layer for layer, kind in zip(target.layers, target.kinds) if isinstance(kind, Attention)]
+    positions = offset + mx.array(tree.depths)
+    layers = [positioned(layer, positions) if isinstance(kind, Attention) else layer
+              for layer, kind in zip(target.layers, target.kinds)]
     recurrent = [layer for layer, kind in zip(target.layers, target.kinds) if isinstance(kind, GatedDelta)]
     plan = gated_delta.plan(tree, recurrent[0].linear_attn.conv_kernel_size) if recurrent else None
     wanted, records = {}, [None] * target.num_layers
     h = target.embed(mx.array(tree.tokens)[None])
-    with positioned_rope(attention, offset + mx.array(tree.depths)), target.verify_matmuls():
-        for i, (layer, kind, c) in enumerate(zip(target.layers, target.kinds, cache)):
+    with target.verify_matmuls():
+        for i, (layer, kind, c) in enumerate(zip(layers, target.kinds, cache)):
             if isinstance(kind, Attention):
                 h, _ = kind(layer, h, masks[kind.name], c, False)
             else:
