@@ -92,6 +92,14 @@ def _read_prompt(prompt: str) -> str:
     return text(prompt)
 
 
+def _utf8(value: Optional[str], name: str) -> None:
+    """Refuse text holding bytes that are not UTF-8 (they reach argv as lone surrogates)."""
+    try:
+        (value or "").encode("utf-8")
+    except UnicodeEncodeError:
+        raise DFlashError(f"the {name} is not valid UTF-8") from None
+
+
 @app.command()
 def generate(
     model: Optional[str] = typer.Option(
@@ -136,6 +144,12 @@ def generate(
         None, "--draft-vocab", help="Draft over the N most frequent token ids only (the ranking beside the draft, "
                                     "made by `dflash-mlx draft-vocab`): a cheaper draft head, still lossless.",
     ),
+    show_drafts: Optional[bool] = typer.Option(
+        None, "--show-drafts/--no-show-drafts", show_default=False,
+        help="On a terminal, color the text of accepted drafts (green) apart from the target's own token of "
+             "each cycle. Default: on for the demo pair (its run is there to show what DFlash does), off with --model.",
+    ),
+    no_color: bool = typer.Option(False, "--no-color", help="Plain text on stdout even on a terminal (as NO_COLOR=1 does)."),
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
     demo = model is None  # the bundled pair (without --draft; resolve_pair below checks that)
@@ -155,6 +169,11 @@ def generate(
         tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
         block_size = validate.block_option(block_size, "--block-size")
         text = _read_prompt(prompt)
+        for value, name in [(system, "--system text"), *((s, "--stop string") for s in stop)]:
+            _utf8(value, name)
+        if system is not None and no_chat_template:
+            raise DFlashError("--system goes through the chat template; drop --no-chat-template "
+                              "or put the system text in the prompt")
         pair = resolve_pair(model, draft)
         if pair.demo:
             _note("no --model given: using the bundled demo pair (a tiny Qwen3.5-hybrid Python code "
@@ -168,70 +187,47 @@ def generate(
         chat = None
         if not no_chat_template:
             chat = dict(system=system, enable_thinking=pair.enable_thinking if thinking is None else thinking)
-        _run(pair.target, pair.draft, text, chat, stop, block_size=block_size, tree_budget=tree_budget, **options)
+        _run(pair.target, pair.draft, text, chat, stop, demo if show_drafts is None else show_drafts, no_color,
+             block_size=block_size, tree_budget=tree_budget, **options)
     except DFlashError as e:
         _fail(str(e))
 
 
-def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: list[str], **options) -> None:
+def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: list[str],
+         show_drafts: bool, no_color: bool, **options) -> None:
     """Load the pair, template the prompt (``chat``: apply_template's options, or
-    None for the text as is) and stream the output up to the first of ``stops``;
-    the figures go to stderr."""
+    None for the text as is) and stream the output up to the first of ``stops``,
+    styled by origin when ``show_drafts`` and stdout shows colors; the figures
+    go to stderr."""
     from .chat import apply_template, has_template, thinking_note
+    from .display import LEGEND, Output, Tally, styled_console
     from .generate import stream_generate
     from .loading import load, load_draft
-    from .server.stops import StopMatcher
     from .validate import UntrainedBlockWarning
 
     model, tokenizer = load(model_id)
     draft = load_draft(draft_id)
     note = None
-    if chat is not None and has_template(tokenizer):
+    if chat is not None:  # without a template, apply_template joins the messages (as the server does)
         text = apply_template(tokenizer, text, **chat)
-        note = thinking_note(chat["enable_thinking"])
-    accepted = cycles = drafted = 0
-    blocks: dict[int, int] = {}
-    last = None
-    matcher = StopMatcher(stops)
+        note = thinking_note(chat["enable_thinking"]) if has_template(tokenizer) else None
+    console = styled_console(no_color) if show_drafts else None
+    output = Output(stops, console, tokenizer.detokenizer)
+    tally = Tally()
     stopped = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UntrainedBlockWarning)  # the command warned already
         for r in stream_generate(model, draft, tokenizer, text, **options):
-            if last is None and note:  # once the pair and prompt passed every check
-                _note(note)
-            shown, stopped = matcher.feed(r.text)
-            sys.stdout.write(shown)
-            sys.stdout.flush()
-            if last is not None:
-                cycles += 1
-                accepted += r.accepted
-                drafted += r.block_size - 1
-                blocks[r.block_size] = blocks.get(r.block_size, 0) + 1
-            last = r
+            if tally.last is None:  # once the pair and prompt passed every check
+                for line in (note, console and LEGEND):
+                    if line:
+                        _note(line)
+            stopped = output.write(r)
+            tally.add(r, options.get("tree_budget"))
             if stopped:
                 break
-    sys.stdout.write(("" if stopped else matcher.flush()) + "\n")
-    tau = (accepted + cycles) / cycles if cycles else float("nan")
-    rate = f"{accepted / drafted:.1%}" if drafted else "-"
-    shape = block_summary(options["block_size"], blocks)
-    if options.get("tree_budget"):  # a tree of B nodes, b-1 deep
-        shape = f"tree of {options['tree_budget']}, {block_summary(last.block_size, blocks)}"
-    _note(
-        f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
-        f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s | "
-        f"tau {tau:.2f} tokens/cycle over {cycles} cycles ({shape}), "
-        f"draft acceptance {rate} | peak memory {last.peak_memory:.2f} GB"
-        + (" | stopped at a --stop string" if stopped else "")
-    )
-
-
-def block_summary(block_size, blocks: dict[int, int]) -> str:
-    """``block 16`` for a fixed block; ``block auto: 16x40 8x3 1x2`` (block x
-    cycles, most used first) for the adaptive one."""
-    if block_size != "auto":
-        return f"block {block_size}"
-    counts = sorted(blocks.items(), key=lambda kv: (-kv[1], -kv[0]))
-    return "block auto: " + (" ".join(f"{b}x{n}" for b, n in counts) or "no cycles")
+    output.close(stopped)
+    _note(tally.summary(options["block_size"], options.get("tree_budget"), stopped))
 
 
 @app.command()

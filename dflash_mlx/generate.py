@@ -44,6 +44,7 @@ class GenerationResponse:
     peak_memory: float  # GB, from mx.get_peak_memory
     finish_reason: Optional[str] = None  # "stop" | "length" | None
     block_size: int = 0  # block verified this cycle (0 for the prefill token, 1: a plain target step)
+    drafted: int = 0  # the first ``drafted`` of ``tokens`` are accepted drafts; the rest are the target's own
 
 
 @dataclass
@@ -238,6 +239,7 @@ def stream_generate(
                 peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=finish,
                 block_size=used,
+                drafted=min(accepted, len(emitted)),
             )
             if finish:
                 return

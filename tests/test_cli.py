@@ -60,6 +60,29 @@ def test_generate_applies_the_chat_template_and_reads_stdin(pair):
     assert result.stdout.strip() == tokenizer.decode(want).strip()
 
 
+def test_system_message_without_a_chat_template_is_joined_as_the_server_joins_it(pair, tmp_path):
+    from dflash_mlx.server.prompts import chat_ids
+    from dflash_mlx.server.schemas import ChatRequest
+
+    target, draft = pair
+    untemplated = tmp_path / "target"
+    shutil.copytree(target, untemplated)
+    config = json.loads((untemplated / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (untemplated / "tokenizer_config.json").write_text(json.dumps(config))
+    model, tokenizer = mlx_lm_load(str(untemplated))
+    assert not tokenizer.has_chat_template
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    ids = chat_ids(tokenizer, ChatRequest(model="m", messages=messages), None)  # what the server runs
+    want = tokenizer.decode([t for t, _ in generate_step(mx.array(ids), model, max_tokens=8)])
+    dropped = [t for t, _ in generate_step(mx.array(tokenizer.encode("hello world")), model, max_tokens=8)]
+    assert tokenizer.decode(dropped) != want  # without the system message the output differs
+    result = run("generate", "-m", untemplated, "-d", draft, "-p", "hello world", "-n", 8, "--system", "be brief")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip() == want.strip()
+    assert "chat template" not in result.stderr
+
+
 def test_seeded_sampling_is_reproducible(pair):
     target, draft = pair
     args = ["generate", "-m", target, "-d", draft, "-p", "hello", "-n", 16, "--temp", 0.8, "--top-k", 20]
@@ -159,6 +182,7 @@ def test_unknown_target_without_draft_lists_known_targets(pair):
         (["-p", "hi", "-b", "17"], "--block-size must be at most 16"),
         (["-p", "hi", "-b", "x"], "Invalid value for '--block-size'"),
         (["-p", " \n"], "prompt is empty"),
+        (["-p", "hi", "--system", "be brief", "--no-chat-template"], "--system goes through the chat template"),
     ],
 )
 def test_bad_arguments(pair, args, fragment):

@@ -62,6 +62,38 @@ def test_generate_prompt_must_be_valid_utf8(config_only, tmp_path):
     assert_one_error(dflash(*base, cwd=tmp_path), "Missing option '--prompt'")
 
 
+def test_generate_stop_and_system_must_be_valid_utf8(config_only, tmp_path):
+    base = ["generate", "-m", tmp_path / "nowhere", "-d", config_only, "-p", "hi"]
+    assert_one_error(dflash(*base, "--stop", "x", "--stop", b"\xff", cwd=tmp_path), "the --stop string is not valid UTF-8")
+    assert_one_error(dflash(*base, "--system", b"caf\xc3", cwd=tmp_path), "the --system text is not valid UTF-8")
+    assert os.listdir(tmp_path) == []
+
+
+def generate_into(stdout, target, draft, cwd):
+    """Exit status and stderr of a short greedy generation whose stdout is ``stdout``."""
+    proc = subprocess.run([sys.executable, "-m", "dflash_mlx", "generate", "-m", str(target), "-d", str(draft),
+                           "-p", "hello world", "-n", "8", "--no-chat-template"],
+                          stdout=stdout, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=cwd, timeout=300)
+    return proc.returncode, proc.stderr.decode(errors="replace")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_generate_into_a_full_disk_says_so_in_one_line(target_dirs, draft_dir, tmp_path):
+    with open("/dev/full", "wb") as full:
+        code, err = generate_into(full, target_dirs["qwen3"], draft_dir("qwen3"), tmp_path)
+    assert code == 1 and err.splitlines() == ["error: cannot write the output to stdout: No space left on device"], err
+
+
+def test_generate_into_a_closed_pipe_says_so_in_one_line(target_dirs, draft_dir, tmp_path):
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        code, err = generate_into(write, target_dirs["qwen3"], draft_dir("qwen3"), tmp_path)
+    finally:
+        os.close(write)
+    assert code == 1 and err.splitlines() == ["error: cannot write the output to stdout: Broken pipe"], err
+
+
 BENCH = [
     (["--temp", "nan"], "--temp must be a finite number"),
     (["--repeat", "0"], "--repeat must be positive, got 0"),
