@@ -2,11 +2,12 @@
 
 Every rank of an ``mx.distributed`` group (started by ``mlx.launch``) loads
 the target with mlx-lm's ``sharded_load`` (tensor parallel: each layer's
-linears split across the ranks, summed inside the layer), loads the draft
-whole, and runs the same decoding loop. The ranks reach the same decisions
-because everything a decision depends on is the same on every rank: the
-collectives give every rank the same hidden states, hence the same logits and
-features; the sampler's seed and the adaptive block policy's cost curve,
+linears split across the ranks, summed inside the layer; or pipeline stages:
+each rank a run of layers, ``target/sharded.py``), loads the draft whole, and
+runs the same decoding loop. The ranks reach the same decisions because
+everything a decision depends on is the same on every rank: the collectives
+give every rank the same hidden states, hence the same logits and features;
+the sampler's seed and the adaptive block policy's cost curve,
 the two inputs that could differ, are rank 0's, sent to the others before
 the loop starts. Only rank 0 should print (``talks``).
 
@@ -34,15 +35,11 @@ from .errors import DFlashError
 from .generate import GenerationResponse
 from .generate import stream_generate as stream_generate_on_this_rank
 from .loading import resolve
-from .target import Target, tensor_parallel_target
+from .target import PipelineTarget, Target, sharded_target
 
 MODES = ("tensor", "pipeline")
 TIMEOUT_S = 300.0  # seconds without a generated response before a rank gives up on the group
 BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's distributed backends prefix their errors
-PIPELINE_REFUSED = (
-    "--distributed pipeline is not supported: dflash-mlx runs the target layer by layer, and mlx-lm's "
-    "pipeline stages hand the hidden state over inside the model's own forward; use --distributed tensor"
-)
 
 
 def _one_line(error: Exception) -> str:
@@ -54,8 +51,6 @@ def init(mode: str = "tensor") -> mx.distributed.Group:
     (one DFlashError line if the mode is unsupported or the process is alone)."""
     if mode not in MODES:
         raise DFlashError(f"--distributed must be one of {', '.join(MODES)}, got '{mode}'")
-    if mode == "pipeline":
-        raise DFlashError(PIPELINE_REFUSED)
     group = mx.distributed.init()
     if group.size() < 2:
         raise DFlashError(
@@ -65,16 +60,17 @@ def init(mode: str = "tensor") -> mx.distributed.Group:
     return group
 
 
-def load(path_or_repo: str, group: mx.distributed.Group) -> tuple[Target, TokenizerWrapper]:
-    """Load a target tensor-parallel over ``group`` with mlx-lm's ``sharded_load``."""
+def load(path_or_repo: str, group: mx.distributed.Group, mode: str = "tensor") -> tuple[Target, TokenizerWrapper]:
+    """Load a target sharded over ``group`` with mlx-lm's ``sharded_load``:
+    ``tensor`` parallel (the model's ``shard``) or ``pipeline`` stages."""
     path = resolve(path_or_repo, "target")
+    groups = {"tensor_group": group} if mode == "tensor" else {"pipeline_group": group}
     try:
-        model, tokenizer = sharded_load(str(path), tensor_group=group)
+        model, tokenizer = sharded_load(str(path), **groups)
     except Exception as e:
-        raise DFlashError(
-            f"cannot load target '{path}' tensor-parallel over {group.size()} ranks: {_one_line(e)}"
-        ) from None
-    return tensor_parallel_target(model, group), tokenizer
+        raise DFlashError(f"cannot load target '{path}' with {mode} parallelism over {group.size()} ranks: "
+                          f"{_one_line(e)}") from None
+    return sharded_target(model, group), tokenizer
 
 
 def talks(group: Optional[mx.distributed.Group]) -> bool:
@@ -103,7 +99,7 @@ def shared_cost_curve(target: Target, draft: DFlashDraft, group: mx.distributed.
     repeat per pass, so every rank runs the same collectives) and cached by rank 0."""
     if curve is None:
         key = costs.cache_key(target, draft)
-        key["distributed"] = f"tensor x{group.size()}"
+        key["distributed"] = f"{'pipeline' if isinstance(target, PipelineTarget) else 'tensor'} x{group.size()}"
         path = costs.cache_path(key)
         cached = costs.read_cached(path, key) if group.rank() == 0 else None
         if broadcast(mx.array(cached is not None), group).item():

@@ -2,10 +2,10 @@
 
     python distributed_worker.py SPEC.json OUT_DIR
 
-SPEC: {"runs": [{"name", "target", "draft", "prompt", "max_tokens", "options",
-"curve_per_rank"?}], "fail": {"rank", "after", "how": "exit"|"hang"}?, "timeout"?}.
+SPEC: {"mode": "tensor"|"pipeline"?, "runs": [{"name", "target", "draft", "prompt", "max_tokens", "options",
+"curve_per_rank"?}], "refused": [target]?, "fail": {"rank", "after", "how": "exit"|"hang"}?, "timeout"?}.
 Each run decodes with ``dflash_mlx.distributed.stream_generate`` on the
-target loaded tensor-parallel by mlx-lm's ``sharded_load``; a greedy run also
+target sharded by mlx-lm's ``sharded_load`` (tensor parallel, or pipeline stages); a greedy run also
 decodes with mlx-lm's own ``generate_step`` on the same sharded model. This
 rank writes OUT_DIR/rank<r>.json. With "fail", that rank exits or hangs after
 that many responses of the first run, the way a crashed or stuck machine would.
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 
 from dflash_mlx import DFlashError, distributed, load_draft
 from dflash_mlx.cost_curve import CostCurve
@@ -30,18 +30,20 @@ def mlx_lm_greedy(target, prompt: list[int], max_tokens: int, eos: set) -> list[
         if token in eos:
             break
         tokens.append(token)
+    mx.synchronize(generation_stream)  # the step generate_step queued ahead must finish on every rank
     return tokens
 
 
 def main(spec_path: str, out_dir: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    group = distributed.init("tensor")
+    mode = spec.get("mode", "tensor")
+    group = distributed.init(mode)
     rank = group.rank()
     fail = spec.get("fail")
     results, loaded = {}, {}
     for run in spec["runs"]:
         if run["target"] not in loaded:
-            loaded[run["target"]] = distributed.load(run["target"], group)
+            loaded[run["target"]] = distributed.load(run["target"], group, mode)
         target, tokenizer = loaded[run["target"]]
         draft = load_draft(run["draft"])
         prompt = tokenizer.encode(run["prompt"])
@@ -68,6 +70,13 @@ def main(spec_path: str, out_dir: str) -> None:
             eos = set(tokenizer.eos_token_ids)
             result["mlx_lm"] = mlx_lm_greedy(target, prompt, run["max_tokens"], eos)
         results[run["name"]] = result
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))  # no rank leaves while another still needs it
+    for target in spec.get("refused", []):  # targets this mode must refuse, with one line
+        try:
+            distributed.load(target, group, mode)
+            results.setdefault("refused", {})[target] = None
+        except DFlashError as e:
+            results.setdefault("refused", {})[target] = str(e)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 

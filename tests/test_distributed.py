@@ -16,7 +16,13 @@ from dflash_mlx import DFlashError, generate, load, load_draft
 from dflash_mlx import distributed
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
-FAMILIES = ["llama", "qwen3", "qwen3_5", "qwen3_5_untied"]  # untied: the head is split over the vocabulary too
+# (mode, family): tensor parallel where mlx-lm's model has shard(), pipeline where it has pipeline();
+# qwen3_5_untied: the tensor-parallel head is split over the vocabulary too
+CASES = [("tensor", f) for f in ("llama", "qwen3", "qwen3_5", "qwen3_5_untied")] + [
+    ("pipeline", f) for f in ("qwen3_5", "qwen3_moe")
+]
+ADAPTIVE_FAMILY = "qwen3_5"  # the adaptive block's runs, in both modes (its agreement knows no family)
+NO_PIPELINE = ("llama", "qwen3")  # mlx-lm's classes have no pipeline(): refused with one line
 PROMPT = "the quick brown fox jumps over the lazy dog"
 MAX_TOKENS = 24
 LAUNCH_TIMEOUT_S = 120
@@ -64,7 +70,8 @@ def pairs(target_dirs, draft_dir, tmp_path_factory):
     untied = tmp_path_factory.mktemp("target-qwen3_5-untied")
     write_target(untied, "qwen3_5", tie_word_embeddings=False)
     dirs = {**target_dirs, "qwen3_5_untied": untied}
-    return {f: (str(dirs[f]), str(draft_dir(f.removesuffix("_untied")))) for f in FAMILIES}
+    families = {f for _, f in CASES} | set(NO_PIPELINE)
+    return {f: (str(dirs[f]), str(draft_dir(f.removesuffix("_untied")))) for f in families}
 
 
 def curve(target_s: list[float]) -> dict:
@@ -77,24 +84,40 @@ CURVES = [curve([1.0, 0.01, 0.01, 0.01, 0.01, 0.01]), curve([0.01, 1.0, 1.0, 1.0
 
 
 @pytest.fixture(scope="module")
-def ranks(pairs, tmp_path_factory):
-    """What each of the two ranks decoded, per run."""
-    runs = []
-    for family, (target, draft) in pairs.items():
-        common = {"target": target, "draft": draft, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
-        runs += [
-            {"name": f"{family}-greedy", **common, "options": {"block_size": 4}},
-            {"name": f"{family}-sampled", **common, "options": {"block_size": 4, "temperature": 1.0}},
-            {"name": f"{family}-auto", **common, "options": {"block_size": "auto"}, "curve_per_rank": CURVES},
-        ]
-    tmp = tmp_path_factory.mktemp("two-ranks")
-    outcome = launch(tmp, {"runs": runs})
-    assert [rc for rc, _ in outcome] == [0, 0], [err[-2000:] for _, err in outcome]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+def launched(pairs, tmp_path_factory):
+    """mode -> what each of the two ranks decoded, per run (one launch per mode)."""
+    done = {}
+
+    def get(mode: str) -> list[dict]:
+        if mode not in done:
+            runs = []
+            for family in sorted({f for m, f in CASES if m == mode}):
+                target, draft = pairs[family]
+                common = {"target": target, "draft": draft, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
+                runs += [
+                    {"name": f"{family}-greedy", **common, "options": {"block_size": 4}},
+                    {"name": f"{family}-sampled", **common, "options": {"block_size": 4, "temperature": 1.0}},
+                ]
+                if family == ADAPTIVE_FAMILY:
+                    runs += [
+                        {"name": f"{family}-auto", **common, "options": {"block_size": "auto"},
+                         "curve_per_rank": CURVES},
+                        {"name": f"{family}-auto-off", **common, "options": {"block_size": "auto"},
+                         "curve_per_rank": CURVES[::-1]},
+                    ]
+            refused = [pairs[f][0] for f in NO_PIPELINE] if mode == "pipeline" else []
+            tmp = tmp_path_factory.mktemp(f"two-ranks-{mode}")
+            outcome = launch(tmp, {"mode": mode, "runs": runs, "refused": refused})
+            assert [rc for rc, _ in outcome] == [0, 0], [err[-2000:] for _, err in outcome]
+            done[mode] = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+        return done[mode]
+
+    return get
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_equals_single_process_and_mlx_lm_sharded(ranks, pairs, family):
+@pytest.mark.parametrize("mode,family", CASES)
+def test_greedy_equals_single_process_and_mlx_lm_sharded(launched, pairs, mode, family):
+    ranks = launched(mode)
     target, draft = pairs[family]
     model, tokenizer = load(target)
     single = generate(model, load_draft(draft), tokenizer, ranks[0][f"{family}-greedy"]["prompt"],
@@ -107,23 +130,41 @@ def test_greedy_equals_single_process_and_mlx_lm_sharded(ranks, pairs, family):
         assert set(run["blocks"][1:]) == {4}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_sampled_identical_across_ranks(ranks, family):
+@pytest.mark.parametrize("mode,family", CASES)
+def test_sampled_identical_across_ranks(launched, mode, family):
+    ranks = launched(mode)
     a, b = (rank[f"{family}-sampled"]["tokens"] for rank in ranks)
     assert len(a) == MAX_TOKENS
     assert a == b
     assert a != ranks[0][f"{family}-greedy"]["tokens"]  # it did sample: no seed was given, rank 0 drew one
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_adaptive_block_follows_rank_0s_curve(ranks, family):
-    a, b = (rank[f"{family}-auto"] for rank in ranks)
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_adaptive_block_follows_rank_0s_curve(launched, mode, family=ADAPTIVE_FAMILY):
+    a, b = (rank[f"{family}-auto"] for rank in launched(mode))
     assert a == b
     assert 1 not in a["blocks"][1:]  # rank 1's own curve would have turned speculation off
-    assert a["tokens"] == ranks[0][f"{family}-greedy"]["tokens"]
+    assert a["tokens"] == launched(mode)[0][f"{family}-greedy"]["tokens"]
 
 
-@pytest.mark.parametrize("how", ["exit", "hang"])
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_plain_steps_when_rank_0s_curve_turns_speculation_off(launched, mode, family=ADAPTIVE_FAMILY):
+    a, b = (rank[f"{family}-auto-off"] for rank in launched(mode))
+    assert a == b
+    blocks = a["blocks"][1:]  # plain steps (each queued before the host waits for the one before), and probes
+    assert blocks.count(1) > len(blocks) / 2
+    assert a["tokens"] == launched(mode)[0][f"{family}-greedy"]["tokens"]
+
+
+def test_pipeline_refuses_models_without_stages(launched, pairs):
+    for rank in launched("pipeline"):
+        for family in NO_PIPELINE:
+            error = rank["refused"][pairs[family][0]]
+            assert "with pipeline parallelism over 2 ranks" in error and "does not support pipelining" in error
+            assert "\n" not in error
+
+
+@pytest.mark.parametrize("how", ["exit", pytest.param("hang", marks=pytest.mark.slow)])
 def test_a_lost_rank_ends_the_other_with_one_line(pairs, tmp_path, how):
     target, draft = pairs["qwen3"]
     run = {"name": "run", "target": target, "draft": draft, "prompt": PROMPT, "max_tokens": 200,
@@ -139,11 +180,19 @@ def test_a_lost_rank_ends_the_other_with_one_line(pairs, tmp_path, how):
         assert last.startswith("error: rank 0: no progress from the distributed group in 5 s"), err0
 
 
-def test_alone_or_pipeline_is_one_clear_error():
+def test_alone_or_unknown_mode_is_one_clear_error():
     with pytest.raises(DFlashError, match="needs two or more processes started by mlx.launch"):
         distributed.init("tensor")
-    with pytest.raises(DFlashError, match="pipeline is not supported"):
-        distributed.init("pipeline")
     with pytest.raises(DFlashError, match="must be one of tensor, pipeline"):
         distributed.init("data")
     assert distributed.talks(None) and distributed.talks(mx.distributed.init())
+
+
+def test_watchdog_ends_a_stuck_rank_with_one_line():
+    code = "import time\nfrom dflash_mlx.distributed import Watchdog\nwith Watchdog(0.5, 1):\n    time.sleep(30)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: rank 1: no progress from the distributed group in 0.5 s "
+        "(a rank stopped or its machine is unreachable); exiting"
+    ]

@@ -9,9 +9,9 @@ from .forward_check import check_forward
 from .gated_delta import GatedDelta, project, split_qkv
 from .gated_delta_steps import CHECKPOINT_EVERY, steps
 from .layer_kinds import Attention
-from .sharded import TensorParallelTarget, tensor_parallel_target
+from .sharded import PipelineTarget, TensorParallelTarget, sharded_target
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "Forward", "Target", "check_forward", "GatedDelta", "project", "split_qkv",
-    "CHECKPOINT_EVERY", "steps", "Attention", "TensorParallelTarget", "tensor_parallel_target",
+    "CHECKPOINT_EVERY", "steps", "Attention", "PipelineTarget", "TensorParallelTarget", "sharded_target",
 ]

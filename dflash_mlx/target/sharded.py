@@ -8,17 +8,24 @@ with the same full hidden state. Only the head may be split over the
 vocabulary (qwen3_5 with untied embeddings): its logits are gathered here, as
 the model's own ``__call__`` gathers them.
 
-Pipeline parallel (``model.model.pipeline(group)``) moves the hidden state
-from rank to rank inside the model's ``__call__``; the adapter's loop over
-layers would not, so it is refused (``tensor_parallel_target``).
+Pipeline parallel (``model.model.pipeline(group)``, mlx-lm's pipeline
+stages: the last rank runs the first layers, rank 0 the last): each rank runs
+its own layers, receiving the hidden state from the rank before it and
+sending it on, as the model's ``__call__`` does. The tapped layers' features
+then live on different ranks, and only rank 0 has the final hidden state, so
+one ``all_sum`` per pass (each rank contributing its own slots, zeros
+elsewhere: exact) gives every rank both, and every rank computes the same
+logits with its own copy of the head.
 """
+
+import contextlib
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis
 
-from ..errors import DFlashError
-from .adapter import Target
+from .adapter import Forward, Target
 
 
 class TensorParallelTarget(Target):
@@ -35,9 +42,54 @@ class TensorParallelTarget(Target):
         return out if self.head_group is None else gather_last_axis(out, self.head_group)
 
 
-def tensor_parallel_target(model: nn.Module, group: mx.distributed.Group) -> TensorParallelTarget:
-    """The target of a model already sharded by ``model.shard(group)``."""
-    inner = getattr(getattr(model, "language_model", model), "model", None)
+def sharded_target(model: nn.Module, group: mx.distributed.Group) -> Target:
+    """The target of a model sharded over ``group`` by mlx-lm (``shard`` or ``pipeline``)."""
+    inner = getattr(model, "language_model", model).model
     if getattr(inner, "pipeline_size", 1) > 1:
-        raise DFlashError("a pipeline-sharded target cannot run layer by layer; load it with tensor parallelism")
+        return PipelineTarget(model, group)
     return TensorParallelTarget(model, group)
+
+
+class PipelineTarget(Target):
+    """A target split into pipeline stages by mlx-lm's ``pipeline(group)``:
+    this rank holds layers ``start`` .. ``start + len(layers) - 1``."""
+
+    def __init__(self, model: nn.Module, group: mx.distributed.Group):
+        super().__init__(model)  # self.layers, kinds and caches: this rank's stage only
+        self.group = group
+        self.rank, self.size = self.inner.pipeline_rank, self.inner.pipeline_size
+        self.start = self.inner.start_idx
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_hidden_layers
+
+    def forward(self, tokens: mx.array, cache: Optional[list], layer_ids: list[int], record: bool = False) -> Forward:
+        """``Target.forward`` over this rank's stage, then one collective that
+        hands every rank the features at ``layer_ids`` and the final hidden state."""
+        cache = cache if cache is not None else [None] * len(self.layers)
+        h = self.embed(tokens)
+        masks = {}
+        for kind, c in zip(self.kinds, cache):
+            if kind.name not in masks:
+                masks[kind.name] = kind.mask(h, c)
+        if self.rank < self.size - 1:
+            h = mx.distributed.recv_like(h, self.rank + 1, group=self.group)
+        wanted = {i: None for i in layer_ids}
+        records = [None] * len(self.layers)
+        with self.verify_matmuls() if record else contextlib.nullcontext():
+            for i, (layer, kind, c) in enumerate(zip(self.layers, self.kinds, cache)):
+                h, records[i] = kind(layer, h, masks[kind.name], c, record)
+                if self.start + i in wanted:
+                    wanted[self.start + i] = h
+        if self.rank != 0:
+            h = mx.depends(mx.zeros_like(h), mx.distributed.send(h, self.rank - 1, group=self.group))
+        zeros = mx.zeros_like(h)
+        parts = [zeros if wanted[i] is None else wanted[i] for i in layer_ids] + [h]
+        gathered = mx.distributed.all_sum(mx.concatenate(parts, axis=-1), group=self.group)
+        # queued now, so that every rank runs its passes' sends, receives and sums in
+        # program order (ranks hold different graphs, which MLX might otherwise order differently)
+        mx.async_eval(gathered)
+        width = h.shape[-1]
+        features, h = gathered[..., : -width], gathered[..., -width:]
+        return Forward(self.inner.norm(h), features, records if record else None)
