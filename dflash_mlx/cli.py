@@ -291,23 +291,14 @@ def convert(
 @app.command("draft-vocab")
 def draft_vocab(
     corpus: list[str] = typer.Argument(..., help="Text or JSONL files or directories, read as `dflash-mlx train --data` reads them."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target whose tokenizer counts the corpus. Default: the bundled demo pair."),
-    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft directory to store the ranking in. Default: the registry's draft for --model."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target whose tokenizer counts the corpus (the bundled demo pair keeps the ranking it ships with)."),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="Draft directory of --model to store the ranking in. Default: the registry's draft for --model."),
 ):
     """Rank the target's vocabulary by frequency in a corpus and store it beside the draft, for --draft-vocab N."""
     try:
-        from mlx_lm.utils import load_tokenizer
+        from .draft_vocab import rank_for_draft
 
-        from .draft import rank_corpus, write_ranking
-        from .loading import TOKENIZER_FILES, resolve
-        from .registry import read_config, resolve_pair
-
-        pair = resolve_pair(model, draft)
-        config = read_config(pair.target, "target")
-        vocab_size = int((config.get("text_config") or config)["vocab_size"])
-        tokenizer = load_tokenizer(resolve(pair.target, "target", TOKENIZER_FILES))
-        ranking, counted = rank_corpus(tokenizer, corpus, vocab_size)
-        path = write_ranking(resolve(pair.draft, "draft"), ranking)
+        path, vocab_size, counted = rank_for_draft(corpus, model, draft)
     except DFlashError as e:
         _fail(str(e))
     _note(f"wrote {path}: {vocab_size} ids ranked by frequency over {counted} corpus tokens")

@@ -14,8 +14,10 @@ from .errors import DFlashError
 from .generate import GenerationResponse
 from .server.stops import StopMatcher
 
-DRAFTED_STYLE = "green"  # text of tokens the target accepted from the draft
-TARGET_STYLE = ""  # text of the target's own tokens: the first one, each cycle's correction or bonus
+STYLES = {  # by whether the text came from drafts the target accepted
+    True: Style(color="green"),
+    False: Style(),  # the target's own tokens (the first one, each cycle's correction or bonus): unstyled
+}
 LEGEND = ("--show-drafts: green text was drafted and accepted by the target; "
           "uncolored text is the target's own token of each cycle")
 
@@ -72,15 +74,14 @@ class Output:
 
     def _show(self, n: int) -> None:
         """Write the next ``n`` characters of the pending pieces, each styled by its origin."""
-        out = []
+        out, colors = [], COLOR_SYSTEMS[self.console.color_system]
         while n > 0:
             text, drafted = self.pending.pop(0)
             if len(text) > n:
                 self.pending.insert(0, (text[n:], drafted))
                 text = text[:n]
             n -= len(text)
-            style = Style.parse((DRAFTED_STYLE if drafted else TARGET_STYLE) or "none")
-            out.append(style.render(text, color_system=COLOR_SYSTEMS[self.console.color_system]))
+            out.append(STYLES[drafted].render(text, color_system=colors))
         self._write("".join(out))
 
     def _write(self, text: str) -> None:
@@ -88,10 +89,20 @@ class Output:
             sys.stdout.write(text)
             sys.stdout.flush()
         except OSError as e:
-            # nothing more reaches stdout: point it at /dev/null so the interpreter's
-            # own flush at exit does not fail a second time, with a traceback
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _discard_stdout()
             raise DFlashError(f"cannot write the output to stdout: {e.strerror or e}") from None
+
+
+def _discard_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's own
+    flush at exit does not fail a second time (with a traceback)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # a captured stdout has no descriptor, and no exit-time flush to fail
+        pass
+    finally:
+        os.close(devnull)
 
 
 def origin_pieces(detokenizer, r: GenerationResponse) -> list[tuple[str, bool]]:

@@ -1,0 +1,68 @@
+"""Commands that write files write only where they should: draft-vocab never
+into the installed package nor beside a draft of another target nor over a
+file it did not write, and bad destinations end in one error line."""
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_mlx.demo import DEMO_DIR
+from dflash_mlx.draft import RANKING_FILE
+
+
+def cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    """``python -m dflash_mlx ARGS``, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "dflash_mlx", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(run: subprocess.CompletedProcess, wanted: str) -> None:
+    assert run.returncode == 1, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and wanted in lines[0], run.stderr
+
+
+def digest(folder: Path) -> dict:
+    """Every file under ``folder`` (hidden ones too) by content."""
+    return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog\n" * 10)
+    return path
+
+
+def test_draft_vocab_leaves_the_bundled_demo_ranking_alone(corpus):
+    before = digest(DEMO_DIR / "draft")
+    one_error_line(cli("draft-vocab", corpus), "is part of the installed dflash-mlx")
+    assert digest(DEMO_DIR / "draft") == before
+
+
+def test_draft_vocab_writes_only_beside_a_draft_of_the_target(tmp_path, corpus, target_dirs, draft_dir):
+    target = target_dirs["qwen3"]
+    other = tmp_path / "other-draft"  # made for a 4-layer target, not this 6-layer one
+    shutil.copytree(draft_dir("qwen3_moe"), other)
+    a_target = tmp_path / "a-target"
+    shutil.copytree(target_dirs["llama"], a_target)
+    for folder, wanted in [(other, "does not match the target's"), (a_target, "draft config.json")]:
+        before = digest(folder)
+        one_error_line(cli("draft-vocab", "-m", target, "-d", folder, corpus), wanted)
+        assert digest(folder) == before
+
+
+def test_draft_vocab_replaces_no_other_file(tmp_path, corpus, target_dirs, draft_dir):
+    target, draft = target_dirs["qwen3"], tmp_path / "draft"
+    shutil.copytree(draft_dir("qwen3"), draft)
+    (draft / RANKING_FILE).write_text("my notes")
+    one_error_line(cli("draft-vocab", "-m", target, "-d", draft, corpus), "is not a ranking written by")
+    assert (draft / RANKING_FILE).read_text() == "my notes"
+
+
+def test_draft_vocab_into_an_odd_path_is_one_error_line(corpus, target_dirs):
+    one_error_line(cli("draft-vocab", "-m", target_dirs["qwen3"], "-d", "/proc/self", corpus), "/proc/self")
