@@ -6,10 +6,12 @@ with its checkpoints (``loop``), held-out evaluation (``evaluate``) and the
 written draft (``export``).
 """
 
+import contextlib
 import json
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 
@@ -43,6 +45,49 @@ def _check_resumable(out: Path, meta: dict, resume: bool) -> None:
         )
 
 
+def check_out_dir(out: Path) -> None:
+    """DFlashError unless ``out`` is, or can be made as, a writable directory:
+    probed by writing a temporary file in it or in its nearest existing parent."""
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"--out '{out}' exists and is not a directory; choose another")
+    place = out
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        raise DFlashError(f"--out '{out}' cannot be made: '{place}' is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=place, prefix=".dflash-mlx-probe-"):
+            pass
+    except OSError as e:
+        raise DFlashError(f"cannot write to --out '{out}' ({e.strerror or e}); choose another") from None
+
+
+def check_export_dir(export: Path, out: Path) -> None:
+    """DFlashError if writing ``export`` would replace the run: --out itself, a
+    parent of it, or its MLX draft or checkpoints."""
+    real, run = export.expanduser().resolve(), out.resolve()
+    if real == run or real in run.parents:
+        raise DFlashError(f"--export-hf '{export}' would replace --out '{out}' (the run's checkpoints and "
+                          "MLX draft); choose another folder")
+    for own in (run / "draft", run / "checkpoints"):
+        if real == own or own in real.parents:
+            raise DFlashError(f"--export-hf '{export}' would replace the run's own '{own}'; "
+                              "choose a folder outside it")
+
+
+@contextlib.contextmanager
+def settings_file(out: Path, meta: dict) -> Iterator[None]:
+    """Write the run's settings (``train_config.json``, what a resume checks)
+    for the block; removed if the block fails before any checkpoint exists."""
+    write_text(out / "train_config.json", json.dumps(meta, indent=2))
+    try:
+        yield
+    except BaseException:
+        if not list_checkpoints(out):
+            (out / "train_config.json").unlink(missing_ok=True)
+        raise
+
+
 def train_draft(
     model_path: str,
     out_dir: str,
@@ -70,9 +115,11 @@ def train_draft(
     train = train or DraftTrainConfig()
     optim_cfg = optim_cfg or OptimConfig()
     optim_cfg.validate()  # before any expensive data preparation
-    if export_hf_dir:
-        check_output(Path(export_hf_dir), force=True)  # before training, not after it
-    out = Path(out_dir)
+    out = Path(out_dir).expanduser()
+    check_out_dir(out)
+    if export_hf_dir:  # before training, not after it
+        check_export_dir(Path(export_hf_dir), out)
+        check_output(Path(export_hf_dir), force=True)
     model, tokenizer = model_and_tokenizer or load(model_path)
     model.eval()
     target = Target(model)
@@ -85,49 +132,48 @@ def train_draft(
             "optim": asdict(optim_cfg), "data": [str(Path(d).expanduser().resolve()) for d in data]}
     _check_resumable(out, json.loads(json.dumps(meta)), resume)
     out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "train_config.json", json.dumps(meta, indent=2))
-
-    dataset, eval_prompts = prepare_data(
-        target, tokenizer, data, train, out, optim_cfg.seed, eval_prompt_paths, reuse_cache=resume
-    )
-    mx.random.seed(optim_cfg.seed)
-    draft = DFlashDraft(config)
-    mx.eval(draft.parameters())
-    objective = DraftObjective(target, config, train, dataset, optim_cfg.seed)
-    evals = []
-
-    def on_checkpoint(step, path):
-        every = train.eval_every
-        if every and eval_prompts and (step // max(optim_cfg.checkpoint_every, 1)) % every == 0 \
-                and step < optim_cfg.steps:
-            r = evaluate_tau(model, draft, tokenizer, eval_prompts, train.eval_tokens)
-            evals.append({"step": step, **r})
-            log(f"eval at step {step}: tau {r['tau']:.2f} over {r['cycles']} cycles")
-
-    summary = fit(
-        draft, objective.loss, objective.batch, optim_cfg, out,
-        resume=resume, extra={"kind": "dflash-draft"}, on_checkpoint=on_checkpoint,
-        stop_after=stop_after,
-    )
-    result = {"step": summary["step"], "losses": summary["losses"], "evals": evals,
-              "draft_dir": None, "hf_dir": None}
-    if summary["step"] < optim_cfg.steps:
-        log(f"paused at step {summary['step']}/{optim_cfg.steps}; run again to resume")
-        return result
-    result["draft_dir"] = str(save_draft(draft, out / "draft"))
-    log(f"wrote {result['draft_dir']}")
-    if export_hf_dir:
-        result["hf_dir"] = str(export_hf(draft, Path(export_hf_dir), hf_dtype))
-        log(f"wrote {result['hf_dir']} (Hugging Face layout, {hf_dtype})")
-    if eval_prompts:
-        r = evaluate_tau(model, draft, tokenizer, eval_prompts, train.eval_tokens)
-        result["final_eval"] = r
-        log(
-            f"held-out tau {r['tau']:.2f} at block {config.block_size} over {len(eval_prompts)} "
-            f"prompts ({r['cycles']} cycles); accepted-length histogram {r['accepted_histogram']}"
+    with settings_file(out, meta):
+        dataset, eval_prompts = prepare_data(
+            target, tokenizer, data, train, out, optim_cfg.seed, eval_prompt_paths, reuse_cache=resume
         )
-        write_text(out / "eval.json", json.dumps(r, indent=2))
-    return result
+        mx.random.seed(optim_cfg.seed)
+        draft = DFlashDraft(config)
+        mx.eval(draft.parameters())
+        objective = DraftObjective(target, config, train, dataset, optim_cfg.seed)
+        evals = []
+
+        def on_checkpoint(step, path):
+            every = train.eval_every
+            if every and eval_prompts and (step // max(optim_cfg.checkpoint_every, 1)) % every == 0 \
+                    and step < optim_cfg.steps:
+                r = evaluate_tau(model, draft, tokenizer, eval_prompts, train.eval_tokens)
+                evals.append({"step": step, **r})
+                log(f"eval at step {step}: tau {r['tau']:.2f} over {r['cycles']} cycles")
+
+        summary = fit(
+            draft, objective.loss, objective.batch, optim_cfg, out,
+            resume=resume, extra={"kind": "dflash-draft"}, on_checkpoint=on_checkpoint,
+            stop_after=stop_after,
+        )
+        result = {"step": summary["step"], "losses": summary["losses"], "evals": evals,
+                  "draft_dir": None, "hf_dir": None}
+        if summary["step"] < optim_cfg.steps:
+            log(f"paused at step {summary['step']}/{optim_cfg.steps}; run again to resume")
+            return result
+        result["draft_dir"] = str(save_draft(draft, out / "draft"))
+        log(f"wrote {result['draft_dir']}")
+        if export_hf_dir:
+            result["hf_dir"] = str(export_hf(draft, Path(export_hf_dir), hf_dtype))
+            log(f"wrote {result['hf_dir']} (Hugging Face layout, {hf_dtype})")
+        if eval_prompts:
+            r = evaluate_tau(model, draft, tokenizer, eval_prompts, train.eval_tokens)
+            result["final_eval"] = r
+            log(
+                f"held-out tau {r['tau']:.2f} at block {config.block_size} over {len(eval_prompts)} "
+                f"prompts ({r['cycles']} cycles); accepted-length histogram {r['accepted_histogram']}"
+            )
+            write_text(out / "eval.json", json.dumps(r, indent=2))
+        return result
 
 
 def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:

@@ -59,8 +59,12 @@ class OptimConfig:
             raise DFlashError(f"grad_accum must be positive, got {self.grad_accum}")
         if not 0 <= self.warmup_steps <= self.steps:
             raise DFlashError(f"warmup_steps must be in 0..steps, got {self.warmup_steps}")
-        if self.learning_rate <= 0:
-            raise DFlashError(f"learning_rate must be positive, got {self.learning_rate}")
+        if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
+            raise DFlashError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        for name in ("min_lr_ratio", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not value >= 0 or not math.isfinite(value):
+                raise DFlashError(f"{name} must be a non-negative number, got {value}")
 
 
 def lr_schedule(cfg: OptimConfig) -> Callable:
@@ -92,6 +96,13 @@ def all_finite(params) -> bool:
     return all(mx.isfinite(v).all().item() for v in arrays)
 
 
+def kept(out_dir: Path) -> str:
+    """What a stopped run leaves to resume from, in words."""
+    if list_checkpoints(out_dir):
+        return f"the checkpoints in '{Path(out_dir) / 'checkpoints'}' are kept"
+    return "no checkpoint had been written yet"
+
+
 def list_checkpoints(out_dir: Path) -> list[Path]:
     """Complete checkpoints under ``out_dir/checkpoints``, oldest first."""
     root = Path(out_dir) / "checkpoints"
@@ -121,7 +132,7 @@ def save_checkpoint(
     if not all_finite(params):
         raise DFlashError(
             f"the weights became NaN or infinite at step {step}: training diverged; stopped "
-            f"without saving, the checkpoints in '{final.parent}' are kept (lower the learning rate)"
+            f"without saving, {kept(out_dir)} (lower the learning rate)"
         )
     with staged_output(final, force=True) as tmp:
         tmp.mkdir()
@@ -225,8 +236,7 @@ def fit(
             if not math.isfinite(mean_loss):
                 raise DFlashError(
                     f"the loss is {mean_loss} at step {step + 1}: training diverged; stopped before "
-                    f"that update, the checkpoints in '{out_dir / 'checkpoints'}' are kept "
-                    "(lower the learning rate, or check the data and the last checkpoint)"
+                    f"that update, {kept(out_dir)} (lower the learning rate, or check the data)"
                 )
             grads = tree_map(lambda g: g / total_weight, grads)
             if cfg.grad_clip > 0:
