@@ -150,6 +150,10 @@ def generate(
              "each cycle. Default: on for the demo pair (its run is there to show what DFlash does), off with --model.",
     ),
     no_color: bool = typer.Option(False, "--no-color", help="Plain text on stdout even on a terminal (as NO_COLOR=1 does)."),
+    distributed: Optional[str] = typer.Option(
+        None, "--distributed", help="tensor or pipeline: shard the target over the processes mlx.launch started "
+                                    "(docs/distributed.md); only rank 0 prints.",
+    ),
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
     demo = model is None  # the bundled pair (without --draft; resolve_pair below checks that)
@@ -187,25 +191,28 @@ def generate(
         chat = None
         if not no_chat_template:
             chat = dict(system=system, enable_thinking=pair.enable_thinking if thinking is None else thinking)
-        _run(pair.target, pair.draft, text, chat, stop, demo if show_drafts is None else show_drafts, no_color,
-             block_size=block_size, tree_budget=tree_budget, **options)
+        from .distributed import session
+
+        with session(distributed) as launch:
+            _run(pair.target, pair.draft, text, chat, stop, demo if show_drafts is None else show_drafts, no_color,
+                 launch, block_size=block_size, tree_budget=tree_budget, **options)
     except DFlashError as e:
         _fail(str(e))
 
 
 def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: list[str],
-         show_drafts: bool, no_color: bool, **options) -> None:
+         show_drafts: bool, no_color: bool, launch=None, **options) -> None:
     """Load the pair, template the prompt (``chat``: apply_template's options, or
     None for the text as is) and stream the output up to the first of ``stops``,
     styled by origin when ``show_drafts`` and stdout shows colors; the figures
-    go to stderr."""
+    go to stderr. ``launch``: this rank of a distributed launch (``distributed.Launch``)."""
     from .chat import apply_template, has_template, thinking_note
     from .display import LEGEND, Output, Tally, styled_console
     from .generate import stream_generate
     from .loading import load, load_draft
     from .validate import UntrainedBlockWarning
 
-    model, tokenizer = load(model_id)
+    model, tokenizer = launch.load(model_id) if launch else load(model_id)
     draft = load_draft(draft_id)
     note = None
     if chat is not None:  # without a template, apply_template joins the messages (as the server does)
@@ -217,7 +224,7 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: l
     stopped = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UntrainedBlockWarning)  # the command warned already
-        for r in stream_generate(model, draft, tokenizer, text, **options):
+        for r in (launch.stream_generate if launch else stream_generate)(model, draft, tokenizer, text, **options):
             if tally.last is None:  # once the pair and prompt passed every check
                 for line in (note, console and LEGEND):
                     if line:

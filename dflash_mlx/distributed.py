@@ -18,11 +18,13 @@ watchdog that ends the process with one line after ``timeout`` seconds
 without a generated response.
 """
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from typing import Generator, Optional
+from dataclasses import dataclass
+from typing import Generator, Iterator, Optional
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -76,6 +78,41 @@ def load(path_or_repo: str, group: mx.distributed.Group, mode: str = "tensor") -
 def talks(group: Optional[mx.distributed.Group]) -> bool:
     """Whether this rank prints: rank 0, or a process that is not in a group."""
     return group is None or group.rank() == 0
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process as one rank of a launched group, sharding targets by ``mode``."""
+
+    group: mx.distributed.Group
+    mode: str
+
+    def load(self, path_or_repo: str) -> tuple[Target, TokenizerWrapper]:
+        return load(path_or_repo, self.group, self.mode)
+
+    def stream_generate(self, target: Target, draft: DFlashDraft, tokenizer, prompt, **kwargs):
+        return stream_generate(target, draft, tokenizer, prompt, self.group, **kwargs)
+
+
+@contextlib.contextmanager
+def session(mode: Optional[str]) -> Iterator[Optional[Launch]]:
+    """The command line's view of a launch: None for ``mode`` None (refused
+    in a process mlx.launch started: its ranks would each run the whole model),
+    else this rank's ``Launch``, with stdout and stderr silenced on every rank
+    but rank 0 until the block ends (an error raised out of it is still
+    printed by each rank's command, naming its rank)."""
+    if mode is None:
+        if "MLX_RANK" in os.environ:
+            raise DFlashError("this process is a rank started by mlx.launch; pass --distributed tensor "
+                              "(or pipeline) so the ranks share one target")
+        yield None
+        return
+    launch = Launch(init(mode), mode)
+    if talks(launch.group):
+        yield launch
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+        yield launch
 
 
 def broadcast(values: mx.array, group: mx.distributed.Group) -> mx.array:
@@ -135,7 +172,7 @@ class Watchdog:
         while not self.stopped.wait(min(1.0, self.timeout / 4)):
             if time.monotonic() - self.last > self.timeout:
                 print(f"error: rank {self.rank}: no progress from the distributed group in {self.timeout:g} s "
-                      "(a rank stopped or its machine is unreachable); exiting", file=sys.stderr, flush=True)
+                      "(a rank stopped or its machine is unreachable); exiting", file=sys.__stderr__, flush=True)
                 os._exit(1)
 
     def __enter__(self) -> "Watchdog":

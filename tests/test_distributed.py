@@ -196,3 +196,50 @@ def test_watchdog_ends_a_stuck_rank_with_one_line():
         "error: rank 1: no progress from the distributed group in 0.5 s "
         "(a rank stopped or its machine is unreachable); exiting"
     ]
+
+
+def consecutive_free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 free on 127.0.0.1 (mlx.launch's --starting-port)."""
+    for _ in range(50):
+        start = free_ports(1)[0]
+        if start + n > 65535:
+            continue
+        try:
+            sockets = [socket.create_server(("127.0.0.1", start + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in sockets:
+            s.close()
+        return start
+    raise RuntimeError("no free ports")
+
+
+def test_cli_under_mlx_launch_only_rank_0_talks(pairs):
+    target, draft = pairs["qwen3_5"]
+    model, tokenizer = load(target)
+    single = generate(model, load_draft(draft), tokenizer, PROMPT, block_size=4, max_tokens=16)
+    mlx_launch = str(Path(sys.executable).with_name("mlx.launch"))
+    port = consecutive_free_ports(2)
+    both = subprocess.run(
+        [mlx_launch, "--backend", "ring", "-n", "2", "--starting-port", str(port), "--",
+         sys.executable, "-m", "dflash_mlx", "generate", "--model", target, "--draft", draft, "-p", PROMPT,
+         "-b", "4", "-n", "16", "--no-chat-template", "--distributed", "tensor"],
+        capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+    )
+    assert both.returncode == 0, both.stderr
+    assert both.stdout == single.text + "\n"  # the text once: rank 1 printed nothing
+    (stats,) = [line for line in both.stderr.splitlines() if line.startswith("prompt:")]  # rank 0's only
+    cycles = len(single.acceptance_lengths)
+    assert f"{cycles} cycles, tau {single.mean_acceptance:.2f} tokens/cycle" in stats
+
+
+def test_cli_rank_without_distributed_is_refused(pairs):
+    target, draft = pairs["qwen3"]
+    done = subprocess.run([sys.executable, "-m", "dflash_mlx", "generate", "--model", target, "--draft", draft,
+                           "-p", PROMPT, "--no-chat-template"], capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S, env={**os.environ, "MLX_RANK": "0"})
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: this process is a rank started by mlx.launch; pass --distributed tensor (or pipeline) "
+        "so the ranks share one target"
+    ]
