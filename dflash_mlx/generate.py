@@ -164,6 +164,7 @@ def stream_generate(
     vocabulary); None is the full vocabulary.
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})
+    validate.loaded(model, draft, tokenizer, cost_curve)
     target = model if isinstance(model, Target) else Target(model)
     check_pair(target, draft)
     trained = draft.config.block_size
@@ -185,6 +186,7 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt_ids = _encode(tokenizer, prompt, target.vocab_size)
+    validate.prompt_length(prompt_ids.size, getattr(target.args, "max_position_embeddings", None))
     check_forward(target, prompt_ids)
     if context is None:
         context = ContextCache(target.make_cache(), draft.make_cache())

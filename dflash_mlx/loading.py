@@ -16,6 +16,7 @@ from .errors import DFlashError
 
 DRAFT_FILES = ["*.json", "*.safetensors"]
 TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # no weights
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one of them, or *.tiktoken
 
 
 def _one_line(error: Exception) -> str:
@@ -49,10 +50,16 @@ def resolve(path_or_repo: str, what: str, allow_patterns: list[str] | None = Non
 def load(path_or_repo: str, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a target model and tokenizer with mlx-lm (local path or hub repo)."""
     path = resolve(path_or_repo, "target")
+    if not any((path / name).is_file() for name in TOKENIZER_NAMES) and not list(path.glob("*.tiktoken")):
+        raise DFlashError(f"target '{path}' has no tokenizer (no {', '.join(TOKENIZER_NAMES)}); "
+                          "copy the tokenizer files of the model it was made from into it")
     try:
-        return mlx_lm_load(str(path), lazy=lazy)
+        model, tokenizer = mlx_lm_load(str(path), lazy=lazy)
     except Exception as e:
         raise DFlashError(f"cannot load target from '{path}': {_one_line(e)}") from None
+    # a prompt longer than the context: generation says so (validate.prompt_length), not transformers
+    getattr(tokenizer._tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return model, tokenizer
 
 
 def load_draft(path_or_repo: str, lazy: bool = False) -> DFlashDraft:
@@ -73,5 +80,8 @@ def load_draft(path_or_repo: str, lazy: bool = False) -> DFlashDraft:
         raise DFlashError(f"draft config '{path / 'config.json'}' is not valid JSON: {e}") from None
     except Exception as e:
         raise DFlashError(f"cannot load draft from '{path}': {_one_line(e)}") from None
-    model.vocab_ranking = read_ranking(path)
+    try:
+        model.vocab_ranking = read_ranking(path)
+    except DFlashError as e:  # only a reduced drafting vocabulary needs it: raised then (subset_head)
+        model.vocab_ranking = e
     return model

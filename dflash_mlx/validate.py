@@ -5,8 +5,10 @@ caller knows it (``max_tokens`` in Python, ``--max-tokens`` on the command line)
 """
 
 import math
+import tempfile
 import warnings
 from numbers import Integral, Real
+from pathlib import Path
 from typing import Callable, Optional, Union
 
 import numpy as np
@@ -20,6 +22,10 @@ AUTO = "auto"  # block_size: chosen per cycle from the cost curve and acceptance
 
 class UntrainedBlockWarning(UserWarning):
     """A block size above the draft's trained block size."""
+
+
+class LongPromptWarning(UserWarning):
+    """A prompt longer than the target's context length."""
 
 
 def integer(value, name: str, low: Optional[int] = None, high: Optional[int] = None) -> int:
@@ -177,3 +183,53 @@ def tree_budget(value, context: Optional[int], name: str = "tree_budget") -> Opt
     if context is not None and value > context:
         raise DFlashError(f"{name} must be at most the target's context length {context}, got {value}")
     return value or None
+
+
+def loaded(model, draft, tokenizer, cost_curve) -> None:
+    """The objects ``stream_generate`` takes: a target model (mlx-lm's, or a
+    ``Target``), a DFlash draft (``load_draft``), its tokenizer and a
+    ``CostCurve`` or None."""
+    import mlx.nn as nn
+
+    from .cost_curve import CostCurve
+    from .draft import DFlashDraft
+    from .target import Target
+
+    def kind(value) -> str:
+        return "None" if value is None else f"{type(value).__module__}.{type(value).__name__}"
+
+    if not isinstance(model, (nn.Module, Target)):
+        raise DFlashError(f"model must be a target model from dflash_mlx.load, got {kind(model)}")
+    if not isinstance(draft, DFlashDraft):
+        raise DFlashError(f"draft must be a DFlash draft from dflash_mlx.load_draft, got {kind(draft)}")
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise DFlashError(f"tokenizer must be the target's tokenizer (from dflash_mlx.load), got {kind(tokenizer)}")
+    if cost_curve is not None and not isinstance(cost_curve, CostCurve):
+        raise DFlashError(f"cost_curve must be a CostCurve (dflash_mlx.cost_curve) or None, got {cost_curve!r}")
+
+
+def writable(path, name: str) -> None:
+    """DFlashError unless something can be written at ``path``: a temporary file
+    is made, and removed, in it if it is a directory, else in its nearest
+    existing parent. Permission bits do not tell (/proc and /sys refuse new
+    files whatever they say, root passes every access check)."""
+    path = Path(path).expanduser()
+    place = path if path.is_dir() else path.parent
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    if not place.is_dir():
+        raise DFlashError(f"{name} '{path}' cannot be written: '{place}' is not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=place, prefix=".dflash-mlx-probe-"):
+            pass
+    except OSError as e:
+        raise DFlashError(f"{name} '{path}' cannot be written: {e.strerror or e} in '{place}'") from None
+
+
+def prompt_length(length: int, context: Optional[int]) -> None:
+    """Warn (``LongPromptWarning``) when a prompt of ``length`` tokens exceeds
+    the target's context length ``context`` (None: the config gives none)."""
+    if context and length > context:
+        warnings.warn(f"the prompt has {length} tokens, more than the target's context length of {context} "
+                      "(max_position_embeddings): the model was not trained that far, so what it generates "
+                      "may be poor", LongPromptWarning, stacklevel=3)

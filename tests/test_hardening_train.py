@@ -34,7 +34,7 @@ def train_args(tmp_path, target_dirs):
     ("export is out", "would replace --out"),
     ("export is out/draft", "would replace the run's own"),
     ("out is a file", "is not a directory"),
-    ("out under /proc", "cannot write to --out"),
+    ("out under /proc", "cannot be written"),
     ("lr nan", "learning_rate must be a positive number"),
 ])
 def test_train_refuses_up_front(tmp_path, train_args, case, wanted):

@@ -28,13 +28,16 @@ FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-
          "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "draft_vocab": "--draft-vocab"}
 
 
-def _listed(values: Optional[list[str]], parse: Callable) -> list:
+def _listed(values: Optional[list[str]], parse: Callable, name: str) -> list:
     """Repeated and/or comma-separated option values, each parsed, in order,
-    without duplicates; ``parse`` returns None for a value that adds nothing."""
+    without duplicates; ``parse`` returns None for a value that adds nothing.
+    A value with nothing between its commas is an error, not the default."""
     out = []
     for v in values or []:
-        for part in str(v).split(","):
-            item = parse(part.strip()) if part.strip() else None
+        parts = [part.strip() for part in str(v).split(",") if part.strip()]
+        if not parts:
+            raise DFlashError(f"Invalid value for '{name}': '{v}' names nothing")
+        for item in map(parse, parts):
             if item is not None and item not in out:
                 out.append(item)
     return out
@@ -42,7 +45,7 @@ def _listed(values: Optional[list[str]], parse: Callable) -> list:
 
 def parse_block_sizes(values: Optional[list[str]]) -> Optional[list]:
     """``--block-size``: integers or ``auto``; None when none is given."""
-    return _listed(values, lambda part: validate.block_option(part, "--block-size")) or None
+    return _listed(values, lambda part: validate.block_option(part, "--block-size"), "--block-size") or None
 
 
 def _budget(text: str) -> Optional[int]:
@@ -55,7 +58,7 @@ def _budget(text: str) -> Optional[int]:
 
 def parse_tree_budgets(values: Optional[list[str]]) -> list[int]:
     """``--tree-budget``: integers >= 1, or 0 for the chain (which every run has)."""
-    return _listed(values, _budget)
+    return _listed(values, _budget, "--tree-budget")
 
 
 def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
@@ -87,6 +90,7 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
         return
     if json_out:
         check_output_file(json_out, "--json")
+        validate.writable(json_out, "--json")
     if predict:
         if sizes and validate.AUTO in sizes:
             raise DFlashError("--predict prices fixed block sizes; leave 'auto' out of --block-size")
@@ -109,6 +113,7 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
         except ImportError:
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
         check_output_file(plot_out, "--plot")
+        validate.writable(plot_out, "--plot")
     main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, block_sizes=sizes,
              tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit,
              categories=category, dtype=dtype, chat_template=not no_chat_template,

@@ -14,7 +14,7 @@ so rejection sampling stays exact; greedy drafts are the subset's argmax.
 
 import weakref
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -111,8 +111,12 @@ class SubsetHead:
 _HEADS: dict[int, dict[int, SubsetHead]] = {}  # id(model) -> size -> head, dropped with the model
 
 
-def subset_head(target: Target, ranking: Optional[np.ndarray], size: int) -> SubsetHead:
-    """The head over the ``size`` top-ranked ids, sliced once per model and size."""
+def subset_head(target: Target, ranking: Union[np.ndarray, DFlashError, None], size: int) -> SubsetHead:
+    """The head over the ``size`` top-ranked ids, sliced once per model and size.
+    ``ranking`` is the draft's ``vocab_ranking``: the ids, None, or the error
+    reading a damaged ranking gave (raised here, where it is needed)."""
+    if isinstance(ranking, DFlashError):
+        raise ranking
     if ranking is None:
         raise DFlashError(f"a reduced drafting vocabulary needs a ranking beside the draft ({RANKING_FILE}); "
                           "make one with: dflash-mlx draft-vocab --draft DRAFT CORPUS...")

@@ -8,13 +8,13 @@ written draft (``export``).
 
 import contextlib
 import json
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 
+from .. import validate
 from ..atomic import check_output, write_text
 from ..draft import DFlashDraft
 from ..errors import DFlashError
@@ -46,20 +46,10 @@ def _check_resumable(out: Path, meta: dict, resume: bool) -> None:
 
 
 def check_out_dir(out: Path) -> None:
-    """DFlashError unless ``out`` is, or can be made as, a writable directory:
-    probed by writing a temporary file in it or in its nearest existing parent."""
+    """DFlashError unless ``out`` is, or can be made as, a writable directory."""
     if out.exists() and not out.is_dir():
         raise DFlashError(f"--out '{out}' exists and is not a directory; choose another")
-    place = out
-    while not place.exists() and place != place.parent:
-        place = place.parent
-    if not place.is_dir():
-        raise DFlashError(f"--out '{out}' cannot be made: '{place}' is not a directory")
-    try:
-        with tempfile.NamedTemporaryFile(dir=place, prefix=".dflash-mlx-probe-"):
-            pass
-    except OSError as e:
-        raise DFlashError(f"cannot write to --out '{out}' ({e.strerror or e}); choose another") from None
+    validate.writable(out, "--out")
 
 
 def check_export_dir(export: Path, out: Path) -> None:
