@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -187,6 +188,35 @@ def test_multi_turn_prefills_only_the_new_tokens_with_the_cold_output(client, li
     assert second.choices[0].message.content == want.text
 
 
+def test_the_same_prompt_again_reuses_all_but_its_last_token(client):
+    """On this hybrid target too: its recurrent states are kept one token before the prompt's end."""
+    prompt = "a prompt sent twice over"
+    first, again = (client.completions.create(model="any", prompt=prompt, max_tokens=8) for _ in range(2))
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].text == first.choices[0].text
+
+
+def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(server):
+    """A ~1 MB prompt takes seconds to tokenize; /health answers meanwhile
+    (had the tokenizing blocked the event loop, one /health would wait for
+    about all of it)."""
+    big = {"prompt": "hello world " * 90_000, "max_tokens": 4}
+    done = []
+    sender = threading.Thread(target=lambda: done.append(post(server, "/v1/completions", big)))
+    tic = time.monotonic()
+    sender.start()
+    waits = []
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        while sender.is_alive():
+            asked = time.monotonic()
+            assert http.get("/health").status_code == 200
+            waits.append(time.monotonic() - asked)
+    sender.join()
+    took = time.monotonic() - tic
+    assert done[0].status_code == 400 and "over this model's context" in done[0].json()["error"]["message"]
+    assert len(waits) > 5 and max(waits) < took / 2, (max(waits), len(waits), took)
+
+
 def test_thinking_mode_per_request_reaches_the_template(client):
     messages = [{"role": "user", "content": "hello"}]
     for body in ({"enable_thinking": False}, {"chat_template_kwargs": {"enable_thinking": True}}):
@@ -216,6 +246,10 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
         ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "prompt is empty"),
         ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 4}, 400, "one prompt per request"),
         ("/v1/completions", {"prompt": [1, 99999], "max_tokens": 4}, 400, "token ids must lie in [0,"),
+        ("/v1/completions", b'{"prompt": "a\\udcffb", "max_tokens": 4}', 400, "prompt is not valid Unicode"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udcffb"}]}', 400,
+         "messages[0].content is not valid Unicode"),
+        ("/v1/completions", b'{"prompt": "ab", "stop": ["\\ud800"], "max_tokens": 4}', 400, "stop is not valid Unicode"),
         ("/v1/nothing", {}, 404, "Not Found"),
     ],
 )
@@ -266,9 +300,13 @@ def test_a_full_queue_answers_429_and_a_disconnect_frees_its_slot_at_once(server
         (["--port", "70000"], "--port must be in 0..65535"),
         (["--max-queue", "-1"], "--max-queue must be >= 0"),
         (["--max-tokens-limit", "0"], "--max-tokens-limit must be positive"),
-        (["--prefix-cache-gb", "-1"], "--prefix-cache-gb must be >= 0"),
+        (["--prefix-cache-gb", "-1"], "--prefix-cache-gb must be a finite number >= 0, got -1"),
         (["--draft", "somewhere"], "--draft needs --model"),
         (["--draft-vocab", "0"], "--draft-vocab must be positive"),
+        (["--prefix-cache-gb", "nan"], "--prefix-cache-gb must be a finite number >= 0, got nan"),
+        (["--prefix-cache-gb", "inf"], "--prefix-cache-gb must be a finite number >= 0, got inf"),
+        (["--api-key", ""], "--api-key must not be empty"),
+        (["--api-key", " key"], "--api-key must not be empty or begin or end with whitespace"),
     ],
 )
 def test_serve_options_are_checked_before_loading(options, message):
@@ -276,8 +314,10 @@ def test_serve_options_are_checked_before_loading(options, message):
 
     from dflash_mlx.cli import app
 
-    result = CliRunner().invoke(app, ["serve", *options])
+    # an address no machine has: were an option let through, serve stops there instead of serving
+    result = CliRunner().invoke(app, ["serve", *options, "--host", "::zz"])
     assert result.exit_code == 1 and message in result.output
+    assert result.output.count("\n") == 1  # one line, no traceback
 
 
 @pytest.mark.parametrize("option, message", [

@@ -4,7 +4,10 @@
 ``POST /v1/completions``, streamed as server-sent events (sse-starlette,
 ending with ``data: [DONE]``) or not. Every request is checked before it is
 queued, so bad input gets a 4xx with an OpenAI-shaped error and never reaches
-the worker. A client that goes away cancels its request.
+the worker. Prompts are tokenized on a thread of their own, so a long one never
+holds up the event loop. A client that goes away cancels its request; when the
+server shuts down, every request in flight ends with a 503 error (streamed as
+a last event before ``[DONE]``).
 """
 
 import asyncio
@@ -12,6 +15,7 @@ import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -25,7 +29,7 @@ from ..errors import DFlashError
 from ..sampling import SamplingParams
 from . import engine as eng
 from .errors import APIError
-from .prompts import chat_ids, completion_ids
+from .prompts import chat_ids, completion_ids, unicode_text
 from .schemas import ChatRequest, CompletionRequest, Sampling
 
 
@@ -110,6 +114,8 @@ def _max_tokens(body: Sampling, prompt_tokens: int, settings: Settings, context:
 def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
     """The ASGI app serving ``engine`` (already started)."""
     app = FastAPI(title="dflash-mlx", docs_url=None, redoc_url=None, openapi_url=None)
+    # one at a time: a tokenizer is not meant to encode on two threads at once
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="dflash-mlx-tokenize")
     if settings.api_key is not None:
         app.add_middleware(BearerAuth, key=settings.api_key)
 
@@ -142,11 +148,16 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await _complete(body, chat_ids(engine.tokenizer, _checked(body), settings.enable_thinking), request, chat=True)
+        ids = await _tokenized(chat_ids, engine.tokenizer, _checked(body), settings.enable_thinking)
+        return await _complete(body, ids, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await _complete(body, completion_ids(engine.tokenizer, _checked(body), engine.vocab_size), request, chat=False)
+        ids = await _tokenized(completion_ids, engine.tokenizer, _checked(body), engine.vocab_size)
+        return await _complete(body, ids, request, chat=False)
+
+    async def _tokenized(prompt_ids, *args) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, prompt_ids, *args)
 
     def _checked(body: Union[ChatRequest, CompletionRequest]):
         problem = body.unsupported()
@@ -159,16 +170,19 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             prompt=ids,
             max_tokens=_max_tokens(body, len(ids), settings, engine.context_length),
             sampling=_sampling(body, engine.vocab_size),
-            stop=body.stop_strings(),
+            stop=[unicode_text(s, "stop") for s in body.stop_strings()],
         )
         try:
             job = engine.submit(job_request, asyncio.get_running_loop())
         except eng.QueueFull as e:
             raise APIError(429, str(e), code="queue_full") from None
+        except eng.ShuttingDown as e:
+            raise APIError(503, str(e), code="server_shutting_down") from None
         reply = Reply(settings.model_name, chat)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(_stream(job, reply, include_usage), sep="\n")
+            # on shutdown the stream gets a moment to send its error event and [DONE]
+            return EventSourceResponse(_stream(job, reply, include_usage), sep="\n", shutdown_grace_period=3)
         return await _collect(job, reply, request)
 
     async def _stream(job: eng.Job, reply: "Reply", include_usage: bool):
@@ -179,7 +193,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
                 if isinstance(event, eng.Delta):
                     yield reply.chunk({"content": event.text} if reply.chat else event.text)
                 elif isinstance(event, eng.Failed):
-                    yield {"data": json.dumps(APIError(event.status, event.message).body())}
+                    yield {"data": json.dumps(APIError(event.status, event.message, code=event.code).body())}
                 else:
                     yield reply.chunk({} if reply.chat else "", event.finish_reason)
                     if include_usage:
@@ -196,7 +210,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
                 if isinstance(event, eng.Delta):
                     text.append(event.text)
                 elif isinstance(event, eng.Failed):
-                    raise APIError(event.status, event.message)
+                    raise APIError(event.status, event.message, code=event.code)
                 else:
                     return reply.whole("".join(text), event.finish_reason, event.usage)
         finally:

@@ -1,7 +1,13 @@
 """Entry point of ``dflash-mlx serve`` (the CLI parses options and calls ``main``)."""
 
+import errno
+import math
+import signal
+import socket
 import sys
-from typing import Optional, Union
+from typing import Callable, Optional, Union
+
+import uvicorn
 
 from ..errors import DFlashError
 from ..registry import Pair, resolve_pair
@@ -11,7 +17,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache_gb: float,
-                  block_size: Union[int, str, None], draft_vocab: Optional[int] = None) -> None:
+                  block_size: Union[int, str, None], draft_vocab: Optional[int] = None,
+                  api_key: Optional[str] = None) -> None:
     """Raise a one-line DFlashError for an option out of range."""
     if not 0 <= port <= 65535:
         raise DFlashError(f"--port must be in 0..65535, got {port}")
@@ -19,8 +26,11 @@ def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache
         raise DFlashError(f"--max-tokens-limit must be positive, got {max_tokens_limit}")
     if max_queue < 0:
         raise DFlashError(f"--max-queue must be >= 0, got {max_queue}")
-    if prefix_cache_gb < 0:
-        raise DFlashError(f"--prefix-cache-gb must be >= 0, got {prefix_cache_gb}")
+    if not (math.isfinite(prefix_cache_gb) and prefix_cache_gb >= 0):
+        raise DFlashError(f"--prefix-cache-gb must be a finite number >= 0, got {prefix_cache_gb}")
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise DFlashError("--api-key must not be empty or begin or end with whitespace "
+                          "(clients send it as 'Authorization: Bearer KEY'); leave it out to serve without a key")
     if block_size is not None:
         block_option(str(block_size), "--block-size")
     options({"draft_vocab": draft_vocab}, {"draft_vocab": "--draft-vocab"})
@@ -31,10 +41,7 @@ def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_t
          draft_vocab: Optional[int] = None) -> None:
     """``dflash-mlx serve``: resolve the pair (the demo pair without --model)
     and serve it; progress goes to stderr."""
-    pair = resolve_pair(model, draft)
-    if pair.demo:
-        _log("no --model given: serving the bundled demo pair (offline); pass --model for a real model")
-    serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb,
+    serve(resolve_pair(model, draft), host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb,
           block_option(block_size, "--block-size"), draft_vocab)
 
 
@@ -42,27 +49,75 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, so that an address in use or one
+    this machine does not have fails before any model loads (DFlashError).
+    It starts listening when the server starts."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except socket.gaierror as e:
+        sock.close()
+        raise DFlashError(f"--host {host!r} is not an address or a name this machine can resolve "
+                          f"({e.strerror})") from None
+    except OSError as e:
+        sock.close()
+        hint = {errno.EADDRINUSE: ": another program is listening there; stop it or pick another --port",
+                errno.EADDRNOTAVAIL: ": --host must be an address of this machine (127.0.0.1: this machine only)",
+                errno.EACCES: ": ports below 1024 need privileges; pick another --port"}.get(e.errno, "")
+        raise DFlashError(f"cannot listen on {host}:{port} ({e.strerror}){hint}") from None
+    return sock
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server that, when it starts shutting down (SIGINT/SIGTERM),
+    first ends every admitted request (``on_shutdown``), so that each gets an
+    answer before the connections close."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]):
+        super().__init__(config)
+        self.on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets=None):
+        self.on_shutdown()
+        await super().shutdown(sockets)
+
+
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limit: int = 4096,
           api_key: Optional[str] = None, max_queue: int = 32, prefix_cache_gb: float = 2.0,
           block_size: Union[int, str, None] = "auto", draft_vocab: Optional[int] = None) -> None:
-    """Check the options, load ``pair`` on the worker thread, then serve it
-    until interrupted (DFlashError for a bad option or pair)."""
-    import uvicorn
-
+    """Check the options and the address, load ``pair`` on the worker thread,
+    then serve it until SIGINT or SIGTERM (DFlashError for a bad option, an
+    address it cannot listen on or a bad pair). On the signal it stops
+    accepting, ends every request still in flight with a 503 error and returns."""
     from .app import Settings, create_app
     from .engine import Engine
 
-    check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size, draft_vocab)
-    if host not in LOOPBACK and api_key is None:
-        _log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
-    engine = Engine(pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9), draft_vocab)
-    _log(f"loading {pair.target} with draft {pair.draft}")
-    engine.start()
-    name = "dflash-mlx-demo" if pair.demo else pair.target
-    app = create_app(engine, Settings(name, max_tokens_limit, api_key, pair.enable_thinking))
-    _log(f"serving '{name}' at http://{host}:{port}/v1 (one request decodes at a time; "
-         f"up to {max_queue} wait)")
+    check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size, draft_vocab, api_key)
+    sock = bind(host, port)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        if pair.demo:
+            _log("no --model given: serving the bundled demo pair (offline); pass --model for a real model")
+        if host not in LOOPBACK and api_key is None:
+            _log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
+        engine = Engine(pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9), draft_vocab)
+        _log(f"loading {pair.target} with draft {pair.draft}")
+        engine.start()
+        name = "dflash-mlx-demo" if pair.demo else pair.target
+        app = create_app(engine, Settings(name, max_tokens_limit, api_key, pair.enable_thinking))
+        port = sock.getsockname()[1]  # the one the system chose for --port 0
+        _log(f"serving '{name}' at http://{host}:{port}/v1 (one request decodes at a time; "
+             f"up to {max_queue} wait)")
+        config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        # uvicorn raises the signal it shut down on again once it returns, for
+        # the handler that was there before it; the shutdown is done by then
+        quiet = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            Server(config, engine.shut_down).run(sockets=[sock])
+        finally:
+            engine.stop()
+            for s, handler in quiet.items():
+                signal.signal(s, handler)
     finally:
-        engine.stop()
+        sock.close()

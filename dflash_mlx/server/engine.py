@@ -30,6 +30,13 @@ class QueueFull(Exception):
     """More requests are waiting than ``--max-queue`` allows."""
 
 
+class ShuttingDown(Exception):
+    """The server is shutting down and takes no new request."""
+
+
+SHUTTING_DOWN = "the server is shutting down; retry once it is back"
+
+
 @dataclass
 class Request:
     prompt: list[int]
@@ -73,6 +80,7 @@ class Finished:
 class Failed:
     status: int
     message: str
+    code: Optional[str] = None
 
 
 Event = Union[Delta, Finished, Failed]
@@ -126,6 +134,8 @@ class Engine:
         self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._lock = threading.Lock()
         self._active = 0  # admitted and not yet released: waiting or decoding
+        self._jobs: set[Job] = set()  # the admitted jobs, for shut_down
+        self._closing = False
         self._ready = threading.Event()
         self._load_error: Optional[Exception] = None
         self._thread = threading.Thread(target=self._run, name="dflash-mlx-worker", daemon=True)
@@ -148,16 +158,30 @@ class Engine:
         return self._active
 
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a request; QueueFull if ``max_queue`` requests already wait."""
+        """Queue a request; QueueFull if ``max_queue`` requests already wait,
+        ShuttingDown once ``shut_down`` was called."""
+        job = Job(request, loop)
         with self._lock:
+            if self._closing:
+                raise ShuttingDown(SHUTTING_DOWN)
             if self._active > self.max_queue:
                 raise QueueFull(
                     f"the server is busy: {self.max_queue} requests are already waiting; retry later"
                 )
             self._active += 1
-        job = Job(request, loop)
+            self._jobs.add(job)
         self._queue.put(job)
         return job
+
+    def shut_down(self) -> None:
+        """Take no new request and end every admitted one now with a 503
+        error; the one decoding stops at its next verify cycle."""
+        with self._lock:
+            self._closing = True
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.emit(Failed(503, SHUTTING_DOWN, "server_shutting_down"))
+            self.cancel(job)
 
     def cancel(self, job: Job) -> None:
         """Give the job's slot back now; the worker drops or stops it."""
@@ -169,6 +193,7 @@ class Engine:
             if not job.released:
                 job.released = True
                 self._active -= 1
+                self._jobs.discard(job)
 
     def _load(self) -> None:
         model, self.tokenizer = load(self.model_id)
@@ -214,7 +239,8 @@ class Engine:
         context = self.prefix_cache.take(request.prompt)
         usage = Usage(len(request.prompt), cached_tokens=len(context.tokens))
         stops = StopMatcher(request.stop)
-        snapshot, finish = None, "cancelled"
+        mark, snapshot = self.prefix_cache.mark(context, request.prompt, self.tokenizer)
+        finish = "cancelled"
         responses = stream_generate(
             self.target, self.draft, self.tokenizer, request.prompt,
             block_size=self.block_size, max_tokens=request.max_tokens, draft_vocab=self.draft_vocab,
@@ -222,9 +248,7 @@ class Engine:
         )
         try:
             for i, r in enumerate(responses):
-                if i == 0:
-                    snapshot = self.prefix_cache.snapshot(context)  # the prompt's end
-                else:
+                if i > 0:
                     usage.cycles += 1
                     usage.accepted += r.accepted
                 usage.completion_tokens += len(r.tokens)
@@ -241,5 +265,5 @@ class Engine:
         finally:
             responses.close()
         # only a request that ran to a cycle boundary leaves caches worth keeping
-        self.prefix_cache.put(context, len(request.prompt), snapshot)
+        self.prefix_cache.put(context, mark, snapshot)
         job.emit(Finished(finish, usage))

@@ -9,17 +9,18 @@ extends one of them prefills only its suffix:
 - attention-only targets roll back to the longest common prefix by trimming
   every KV cache, target and draft alike;
 - targets with recurrent layers (GatedDeltaNet's ``ArraysCache``) cannot be
-  trimmed, so their states are snapshotted at the end of the prompt: an entry
-  is reused either as it is (the new prompt extends everything it holds) or
-  rolled back to that snapshot (the new prompt extends the old prompt), never
-  elsewhere.
+  trimmed, so their states are snapshotted at the end of the prompt but its
+  last token (the prompt is prefilled in two steps to get there): an entry is
+  reused either as it is (the new prompt extends everything it holds) or
+  rolled back to that snapshot (the new prompt starts with the old prompt, or
+  is the same prompt again), never elsewhere.
 
 At least one prompt token is always left to prefill, for the logits of the
-first generated token. A prompt that extends an entry's whole prompt
-continues that conversation: the entry is taken out of the cache and the
-decoder extends it in place. One that branches off inside it (another chat
-with the same system prompt, a regenerated reply) gets a copy, and the entry
-stays. Entries are evicted least recently used first to stay within a byte
+first generated token. A prompt that extends an entry's prompt (all of it but
+its last token, on a recurrent target) continues that conversation: the entry
+is taken out of the cache and the decoder extends it in place. One that
+branches off inside it (another chat with the same system prompt, a
+regenerated reply) gets a copy, and the entry stays. Entries are evicted least recently used first to stay within a byte
 budget.
 """
 
@@ -32,6 +33,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..decoder import ContextCache
 from ..draft import DFlashDraft
+from ..generate import stream_generate
 from ..target import Target
 
 MAX_ENTRIES = 8
@@ -120,13 +122,26 @@ class PrefixCache:
             c.trim(drop)
         del context.tokens[n:]
 
-    def snapshot(self, context: ContextCache) -> Optional[list]:
-        """The recurrent states of ``context`` as they are now (None if it has none)."""
-        if not self._recurrent(context):
-            return None
-        if not all(c.is_trimmable() or isinstance(c, ArraysCache) for c in context.target):
-            return None  # a recurrent cache we cannot snapshot: reused only as it is
-        return [list(c.cache) if isinstance(c, ArraysCache) else None for c in context.target]
+    def _snapshots(self, context: ContextCache) -> bool:
+        # a recurrent cache other than an ArraysCache cannot be snapshotted: reused only as it is
+        return self._recurrent(context) and all(
+            c.is_trimmable() or isinstance(c, ArraysCache) for c in context.target)
+
+    def mark(self, context: ContextCache, prompt: list[int], tokenizer) -> tuple[int, Optional[list]]:
+        """Before generating from ``prompt`` with ``context`` (from ``take``):
+        where ``put`` should say its recurrent states were snapshotted, and the
+        snapshot. With recurrent states, that is after all of the prompt but
+        its last token, prefilled here when ``context`` holds fewer: the latest
+        point a later prompt, the same one included, can start from. Otherwise
+        (``len(prompt)``, None)."""
+        n = len(prompt) - 1
+        if n == 0 or not self._snapshots(context):
+            return len(prompt), None
+        if len(context.tokens) < n:  # prefill to n; the one token it generates is not fed
+            for _ in stream_generate(self.target, self.draft, tokenizer, prompt[:n], block_size=2,
+                                     max_tokens=1, context=context):
+                pass
+        return n, [list(c.cache) if isinstance(c, ArraysCache) else None for c in context.target]
 
     def put(self, context: ContextCache, prompt_len: int, snapshot: Optional[list]) -> None:
         """Keep ``context`` (whose recurrent states were ``snapshot`` at

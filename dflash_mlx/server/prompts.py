@@ -10,12 +10,24 @@ from .errors import APIError
 from .schemas import ChatRequest, CompletionRequest
 
 
-def _text(content) -> str:
+def unicode_text(text: str, param: str) -> str:
+    """``text``, if it is valid Unicode: a lone surrogate (a JSON escape in
+    \\ud800-\\udfff without its pair) cannot be encoded, so it is a 400 naming ``param``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode: it holds a lone surrogate "
+                            f"({ascii(text[e.start])} at character {e.start}); a character outside "
+                            "the Basic Multilingual Plane must be escaped as a surrogate pair", param) from None
+    return text
+
+
+def _text(content, param: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
-    return "".join(part.text or "" for part in content)
+        return unicode_text(content, param)
+    return unicode_text("".join(part.text or "" for part in content), param)
 
 
 def chat_ids(tokenizer, body: ChatRequest, enable_thinking: Optional[bool]) -> list[int]:
@@ -23,8 +35,8 @@ def chat_ids(tokenizer, body: ChatRequest, enable_thinking: Optional[bool]) -> l
     system message. ``enable_thinking`` is the default when the request does
     not say (in ``enable_thinking`` or ``chat_template_kwargs``)."""
     messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
-        for m in body.messages
+        {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, f"messages[{i}].content")}
+        for i, m in enumerate(body.messages)
     ]
     thinking = body.template_kwargs().get("enable_thinking", enable_thinking)
     try:
@@ -40,7 +52,7 @@ def completion_ids(tokenizer, body: CompletionRequest, vocab_size: int) -> list[
     """The prompt encoded as ``generate`` encodes text, or the ids as given."""
     prompt = body.single_prompt()
     if isinstance(prompt, str):
-        ids = encode(tokenizer, prompt) if prompt else []
+        ids = encode(tokenizer, unicode_text(prompt, "prompt")) if prompt else []
     else:
         try:
             ids = validate.token_ids(list(prompt), vocab_size).tolist() if prompt else []
