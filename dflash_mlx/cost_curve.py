@@ -31,8 +31,9 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .decoder import DraftProposer, SpeculativeDecoder
+from .decoder import SpeculativeDecoder, propose_block, proposer_for
 from .draft import DFlashDraft
+from .sampling import BlockSampler, SamplingParams
 from .target import Target
 from .verify import greedy_verify
 
@@ -189,7 +190,7 @@ def _plain_step_seconds(target: Target, draft: DFlashDraft, prompt: mx.array) ->
     """Seconds per plain target step (b = 1) in a run of them, pipelined as the
     loop runs them: each queued before the host waits for the one before. A
     decoder of its own, so the caller's cache stays as it is."""
-    plain = SpeculativeDecoder(target, DraftProposer(draft, target), draft.config.target_layer_ids, 1)
+    plain = SpeculativeDecoder(target, proposer_for(draft, target), draft.config.target_layer_ids, 1)
     plain.prefill(prompt)
     for _ in range(2):  # warm-up; the timed run starts with a step in flight, as in a long run
         plain.cycle()
@@ -207,7 +208,8 @@ def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
     repeats (1 to ``MAX_REPEATS``) as fit the budget; the median of the
     repeats. b = 1: ``PLAIN_STEPS`` plain steps in a row."""
     layer_ids = draft.config.target_layer_ids
-    proposer = DraftProposer(draft, target)
+    proposer = proposer_for(draft, target)
+    greedy = BlockSampler(SamplingParams())
     cache = target.make_cache()
     tokens = mx.arange(CONTEXT + max(sizes), dtype=mx.int32) % target.vocab_size
     out = target.forward(tokens[None, :CONTEXT], cache, layer_ids)
@@ -225,7 +227,7 @@ def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
         mx.eval([c.state for c in cache], [c.state for c in proposer.cache])
 
     def draft_pass(b: int) -> None:
-        mx.eval(mx.argmax(proposer.propose(y, b), axis=-1))
+        mx.eval(propose_block(proposer, y, b, greedy)[0])  # a DFlash2 draft's walk included
 
     passes = [(b, kind, run) for b in sizes for kind, run in (("target", target_pass), ("draft", draft_pass))
               if b > 1]

@@ -15,13 +15,19 @@ from typing import Callable, Optional, Protocol, Union
 import mlx.core as mx
 
 from .block_policy import BlockPolicy, FixedBlock
-from .draft import DFlashDraft
+from .draft import DFlash2Draft, DFlashDraft
 from .sampling import BlockSampler, SamplingParams
 from .target import Target
 
 
 class Proposer(Protocol):
-    """Anything that proposes block tokens: the DFlash draft, or a test oracle."""
+    """Anything that proposes block tokens: the DFlash draft, or a test oracle.
+
+    A proposer that chooses its own drafts (DFlash2's selector walk) also has
+    ``draft_block(y, block_size, sampler) -> (drafted [b-1], q [b-1, V] or
+    None)``, q being the log-probabilities the drafts were drawn from; the
+    others' logits go through the sampler (``propose_block``).
+    """
 
     def observe(self, features: mx.array, tokens: mx.array) -> None:
         """Features [1, T, k*H] and ids [T] of the next T committed positions."""
@@ -50,6 +56,41 @@ class DraftProposer:
         block = mx.concatenate([y, masks])[None]
         hidden = self.draft(self.target.embed(block), self.cache)
         return self.head(hidden[:, 1:])[0]
+
+
+class DFlash2Proposer(DraftProposer):
+    """Proposes with a DFlash2 draft: its scaled logits, and drafts chosen by
+    its candidate selector's walk (``draft/selector.py``)."""
+
+    def _rows(self, y: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
+        """(normed hidden [b-1, H], scaled logits [b-1, V]) of block rows 1..b-1."""
+        masks = mx.full((block_size - 1,), self.mask_token_id, dtype=y.dtype)
+        block = mx.concatenate([y, masks])[None]
+        hidden = self.draft(self.target.embed(block), self.cache)[0, 1:]
+        return hidden, self.draft.scale_logits(self.head(hidden))
+
+    def propose(self, y: mx.array, block_size: int) -> mx.array:
+        return self._rows(y, block_size)[1]
+
+    def draft_block(self, y: mx.array, block_size: int, sampler: BlockSampler):
+        hidden, logits = self._rows(y, block_size)
+        key = sampler.draft_key()
+        temperature = 0.0 if key is None else sampler.params.temperature
+        return self.draft.candidate_selector.walk(hidden, logits, y, temperature, key)
+
+
+def proposer_for(draft: DFlashDraft, target: Target, cache: Optional[list] = None,
+                 head: Optional[Callable[[mx.array], mx.array]] = None) -> DraftProposer:
+    """The proposer of a draft's architecture (v1 or DFlash2)."""
+    cls = DFlash2Proposer if isinstance(draft, DFlash2Draft) else DraftProposer
+    return cls(draft, target, cache, head)
+
+
+def propose_block(proposer: Proposer, y: mx.array, block_size: int, sampler: BlockSampler):
+    """(drafted [b-1] int32, q or None): the proposer's own choice where it
+    makes one, else the sampler's from its logits."""
+    own = getattr(proposer, "draft_block", None)
+    return own(y, block_size, sampler) if own else sampler.draft(proposer.propose(y, block_size))
 
 
 @dataclass
@@ -140,8 +181,7 @@ class SpeculativeDecoder:
             self.drafted, self.draft_logprobs = self.no_draft
             return
         self.catch_up()
-        logits = self.proposer.propose(self.pending, self.block_size)
-        self.drafted, self.draft_logprobs = self.sampler.draft(logits)
+        self.drafted, self.draft_logprobs = propose_block(self.proposer, self.pending, self.block_size, self.sampler)
         mx.async_eval(self.drafted)
 
     def _queue_next(self) -> None:

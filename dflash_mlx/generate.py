@@ -18,8 +18,8 @@ from . import cost_curve as costs
 from . import validate
 from .block_policy import AdaptiveBlock, FixedBlock
 from .chat import encode
-from .decoder import ContextCache, DraftProposer, SpeculativeDecoder
-from .draft import DFlashDraft
+from .decoder import ContextCache, SpeculativeDecoder, proposer_for
+from .draft import DFlash2Draft, DFlashDraft
 from .draft import subset_head
 from .errors import DFlashError
 from .target import check_forward
@@ -171,6 +171,9 @@ def stream_generate(
     block_size = trained if block_size is None else validate.block_size(block_size, trained)
     validate.logit_bias(logit_bias, target.vocab_size)
     tree_budget = validate.tree_budget(tree_budget, getattr(target.args, "max_position_embeddings", None))
+    if tree_budget and isinstance(draft, DFlash2Draft):
+        raise DFlashError("DDTree (tree_budget) does not take DFlash2 drafts: its tree is not built from "
+                          "the candidate selector yet; leave tree_budget unset to decode the chain")
     head = None
     if draft_vocab is not None:
         head = subset_head(target, draft.vocab_ranking, draft_vocab)  # an integer >= 1: checked above
@@ -196,7 +199,7 @@ def stream_generate(
     eos = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    proposer = DraftProposer(draft, target, context.draft, head)
+    proposer = proposer_for(draft, target, context.draft, head)
     if tree_budget:  # the tree drafts b-1 positions deep
         depth_block = block_size if isinstance(block_size, int) else trained
         decoder = TreeDecoder(target, proposer, draft.config.target_layer_ids, depth_block, tree_budget,

@@ -86,6 +86,11 @@ class BlockSampler:
         self.key, key = mx.random.split(self.key)
         return key
 
+    def draft_key(self) -> Optional[mx.array]:
+        """The key of the next block's draws, for a proposer that draws its own
+        drafts (None when greedy)."""
+        return None if self.greedy else self._next_key()
+
     def process(self, logits: mx.array, history: mx.array) -> mx.array:
         """Apply the logits processors to rows [n, V], where row i follows
         ``history[: len(history) - n + 1 + i]``, just as decoding one token at a

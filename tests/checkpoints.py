@@ -508,3 +508,78 @@ def write_draft(
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return config
 
+
+def dflash2_tensor_shapes(hidden_size: int, num_layers: int, vocab_size: int,
+                          kernel_size: int, group_size: int, rank: int) -> dict:
+    """Name -> shape of the tensors DFlash2 adds to a DFlash draft, named as
+    z-lab stores them (the two codebooks without ``.weight``)."""
+    H, K, G = hidden_size, kernel_size, hidden_size // group_size
+    shapes = {}
+    for i in range(num_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, K, H)
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * K * G, H)
+    shapes["candidate_selector.hidden_projection.weight"] = (rank, H)
+    shapes["candidate_selector.predecessor_codebook"] = (vocab_size, rank)
+    shapes["candidate_selector.successor_codebook"] = (vocab_size, rank)
+    return shapes
+
+
+def write_dflash2_draft(
+    path: Path,
+    target_config: dict,
+    *,
+    kernel_size: int = 2,
+    group_size: int = 16,
+    rank: int = 16,
+    top_k: int = 4,
+    output_multiplier: float | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = False,
+    layout: str = "hf",
+    codebook_std: float = 0.5,
+    seed: int = 0,
+    **draft_kwargs,
+) -> dict:
+    """Write a DFlash2 draft for a target: ``write_draft``'s v1 tensors plus
+    ``dflash2_tensor_shapes``, ``architectures: ["DFlash2DraftModel"]`` and the
+    DFlash2 keys in ``dflash_config``. ``layout`` "hf" is z-lab's; "mlx" is ours
+    (codebooks with ``.weight``, the config as ``DFlash2Config.to_dict``).
+    ``is_causal`` None leaves the key out; ``output_multiplier`` and ``softcap``
+    go in ``dflash_config`` when given. Returns the config."""
+    from dflash_mlx.draft import DFlash2Config
+
+    if layout not in ("hf", "mlx"):
+        raise ValueError(f"unknown layout {layout!r}")
+    path = Path(path)
+    config = write_draft(path, target_config, seed=seed, **draft_kwargs)
+    config["architectures"] = ["DFlash2DraftModel"]
+    config["dflash_config"].update(conv_kernel_size=kernel_size, conv_group_size=group_size,
+                                   selector_rank=rank, selector_top_k=top_k)
+    if output_multiplier is not None:
+        config["dflash_config"]["output_multiplier"] = output_multiplier
+    if softcap is not None:
+        config["dflash_config"]["final_logit_softcapping"] = softcap
+    if is_causal is not None:
+        config["is_causal"] = is_causal
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    rng = np.random.default_rng(seed + 1)
+    shapes = dflash2_tensor_shapes(config["hidden_size"], config["num_hidden_layers"], config["vocab_size"],
+                                   kernel_size, group_size, rank)
+    for name, shape in shapes.items():
+        if name.endswith("base_kernel"):
+            w = rng.normal(0.0, 0.3, shape)
+            w[:, 0] += 1.0  # near the identity at offset 0: the sublayers still matter
+        elif "codebook" in name:
+            w = rng.normal(0.0, codebook_std, shape)
+        else:
+            w = rng.normal(0.0, 0.05, shape)
+        weights[name] = mx.array(w.astype(np.float32)).astype(next(iter(weights.values())).dtype)
+    if layout == "mlx":
+        for name in ("predecessor_codebook", "successor_codebook"):
+            key = f"candidate_selector.{name}"
+            weights[f"{key}.weight"] = weights.pop(key)
+        config = DFlash2Config.from_dict(config).to_dict()
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return config

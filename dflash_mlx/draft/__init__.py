@@ -1,12 +1,15 @@
-"""The DFlash draft: the network and its config (``model.py``), each layer's
-context cache (``cache.py``), the stacked KV injection (``injection.py``) and
-the reduced drafting vocabulary (``vocab.py``). Modules outside this folder
-use what is named here."""
+"""The DFlash drafts: the v1 network and its config (``model.py``), DFlash2's
+conv-wrapped network (``dflash2.py``) and its candidate selector
+(``selector.py``), each layer's context cache (``cache.py``), the stacked KV
+injection (``injection.py``) and the reduced drafting vocabulary
+(``vocab.py``). Modules outside this folder use what is named here."""
 
+from .dflash2 import DFlash2Config, DFlash2Draft, is_dflash2
 from .model import FULL, SLIDING, DFlashDraft, DraftConfig, default_target_layer_ids, visible
 from .vocab import RANKING_FILE, rank_corpus, rank_tokens, read_ranking, subset_head, write_ranking
 
 __all__ = [
     "FULL", "SLIDING", "DFlashDraft", "DraftConfig", "default_target_layer_ids", "visible",
+    "DFlash2Config", "DFlash2Draft", "is_dflash2",
     "RANKING_FILE", "rank_corpus", "rank_tokens", "read_ranking", "subset_head", "write_ranking",
 ]

@@ -272,10 +272,12 @@ class DraftLayer(nn.Module):
 class DFlashDraft(nn.Module):
     """The draft network; tensor names match the z-lab checkpoints."""
 
+    layer_class = DraftLayer
+
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
-        self.layers = [DraftLayer(config, t) for t in config.layer_types]
+        self.layers = [self.layer_class(config, t) for t in config.layer_types]
         self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
