@@ -48,6 +48,8 @@ def main(spec_path: str, out_dir: str) -> None:
         draft = load_draft(run["draft"])
         prompt = tokenizer.encode(run["prompt"])
         options = dict(run["options"])
+        if "logit_bias" in options:  # JSON keys are strings
+            options["logit_bias"] = {int(k): v for k, v in options["logit_bias"].items()}
         if "curve_per_rank" in run:  # a different curve on every rank: rank 0's must win
             options["cost_curve"] = CostCurve(**{k: tuple(v) for k, v in run["curve_per_rank"][rank].items()})
         tokens, blocks = [], []

@@ -21,10 +21,13 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 CASES = [("tensor", f) for f in ("llama", "qwen3", "qwen3_5", "qwen3_5_untied")] + [
     ("pipeline", f) for f in ("qwen3_5", "qwen3_moe")
 ]
+# the other families mlx-lm can shard, in a launch of their own under -m slow
+MORE_CASES = [("tensor-more", f) for f in ("qwen3_moe", "qwen3_5_moe", "gpt_oss")] + [("pipeline-more", "qwen3_5_moe")]
 ADAPTIVE_FAMILY = "qwen3_5"  # the adaptive block's runs, in both modes (its agreement knows no family)
 NO_PIPELINE = ("llama", "qwen3")  # mlx-lm's classes have no pipeline(): refused with one line
 PROMPT = "the quick brown fox jumps over the lazy dog"
 MAX_TOKENS = 24
+EOS = 2  # the tiny checkpoints' eos_token_id
 LAUNCH_TIMEOUT_S = 120
 
 
@@ -70,7 +73,7 @@ def pairs(target_dirs, draft_dir, tmp_path_factory):
     untied = tmp_path_factory.mktemp("target-qwen3_5-untied")
     write_target(untied, "qwen3_5", tie_word_embeddings=False)
     dirs = {**target_dirs, "qwen3_5_untied": untied}
-    families = {f for _, f in CASES} | set(NO_PIPELINE)
+    families = {f for _, f in CASES + MORE_CASES} | set(NO_PIPELINE)
     return {f: (str(dirs[f]), str(draft_dir(f.removesuffix("_untied")))) for f in families}
 
 
@@ -85,18 +88,21 @@ CURVES = [curve([1.0, 0.01, 0.01, 0.01, 0.01, 0.01]), curve([0.01, 1.0, 1.0, 1.0
 
 @pytest.fixture(scope="module")
 def launched(pairs, tmp_path_factory):
-    """mode -> what each of the two ranks decoded, per run (one launch per mode)."""
+    """launch ("tensor", "pipeline", or either + "-more") -> what each of the two
+    ranks decoded, per run (one launch each, on the first test that asks)."""
     done = {}
 
-    def get(mode: str) -> list[dict]:
-        if mode not in done:
+    def get(name: str) -> list[dict]:
+        mode = name.removesuffix("-more")
+        if name not in done:
             runs = []
-            for family in sorted({f for m, f in CASES if m == mode}):
+            for family in sorted({f for m, f in CASES + MORE_CASES if m == name}):
                 target, draft = pairs[family]
                 common = {"target": target, "draft": draft, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
                 runs += [
                     {"name": f"{family}-greedy", **common, "options": {"block_size": 4}},
-                    {"name": f"{family}-sampled", **common, "options": {"block_size": 4, "temperature": 1.0}},
+                    {"name": f"{family}-sampled", **common,  # no seed: rank 0 draws it; EOS barred: full length
+                     "options": {"block_size": 4, "temperature": 1.0, "logit_bias": {EOS: -1e9}}},
                 ]
                 if family == ADAPTIVE_FAMILY:
                     runs += [
@@ -105,17 +111,17 @@ def launched(pairs, tmp_path_factory):
                         {"name": f"{family}-auto-off", **common, "options": {"block_size": "auto"},
                          "curve_per_rank": CURVES[::-1]},
                     ]
-            refused = [pairs[f][0] for f in NO_PIPELINE] if mode == "pipeline" else []
-            tmp = tmp_path_factory.mktemp(f"two-ranks-{mode}")
+            refused = [pairs[f][0] for f in NO_PIPELINE] if name == "pipeline" else []
+            tmp = tmp_path_factory.mktemp(f"two-ranks-{name}")
             outcome = launch(tmp, {"mode": mode, "runs": runs, "refused": refused})
             assert [rc for rc, _ in outcome] == [0, 0], [err[-2000:] for _, err in outcome]
-            done[mode] = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
-        return done[mode]
+            done[name] = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+        return done[name]
 
     return get
 
 
-@pytest.mark.parametrize("mode,family", CASES)
+@pytest.mark.parametrize("mode,family", CASES + [pytest.param(*case, marks=pytest.mark.slow) for case in MORE_CASES])
 def test_greedy_equals_single_process_and_mlx_lm_sharded(launched, pairs, mode, family):
     ranks = launched(mode)
     target, draft = pairs[family]
