@@ -133,11 +133,13 @@ class PrefixCache:
         snapshot. With recurrent states, that is after all of the prompt but
         its last token, prefilled here when ``context`` holds fewer: the latest
         point a later prompt, the same one included, can start from. Otherwise
-        (``len(prompt)``, None)."""
+        (``len(prompt)``, None), as when nothing would be kept (a zero budget)."""
         n = len(prompt) - 1
-        if n == 0 or not self._snapshots(context):
+        if n == 0 or not self.budget or not self._snapshots(context):
             return len(prompt), None
-        if len(context.tokens) < n:  # prefill to n; the one token it generates is not fed
+        if len(context.tokens) < n:
+            # prefill to n (the token it generates is not fed); the smallest block
+            # keeps the one draft pass it starts, whose proposal goes unused, cheap
             for _ in stream_generate(self.target, self.draft, tokenizer, prompt[:n], block_size=2,
                                      max_tokens=1, context=context):
                 pass
