@@ -43,6 +43,8 @@ KNOWN_PAIRS: dict[str, Draft] = {
     "Qwen/Qwen3-Coder-Next": Draft("z-lab/Qwen3-Coder-Next-DFlash"),
     "google/gemma-4-26B-A4B-it": Draft("z-lab/gemma-4-26B-A4B-it-DFlash"),
     "google/gemma-4-31B-it": Draft("z-lab/gemma-4-31B-it-DFlash"),
+    # a DFlash2 draft (docs/dflash2.md); its training chat mode is not published
+    "Qwen/Qwen3.8-27B": Draft("z-lab/Qwen3.8-27B-DFlash2"),
 }
 
 # Other names the same targets go by (mlx-community renames some of them).

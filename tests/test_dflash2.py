@@ -149,3 +149,10 @@ def test_tree_decoding_refuses_dflash2_with_one_line(loaded):
     with pytest.raises(DFlashError, match="DFlash2") as e:
         generate(model, draft, tokenizer, "hello", max_tokens=4, tree_budget=4)
     assert "\n" not in str(e.value)
+
+
+def test_the_registry_pairs_qwen3_8_with_its_dflash2_draft():
+    from dflash_mlx.registry import find_draft
+
+    for name in ("Qwen/Qwen3.8-27B", "mlx-community/Qwen3.8-27B-4bit"):
+        assert find_draft(name) == "z-lab/Qwen3.8-27B-DFlash2"
