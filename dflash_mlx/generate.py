@@ -164,7 +164,7 @@ def stream_generate(
     vocabulary); None is the full vocabulary.
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})
-    validate.loaded(model, draft, tokenizer, cost_curve)
+    validate.loaded(model, draft, tokenizer, cost_curve, costs.CostCurve)
     target = model if isinstance(model, Target) else Target(model)
     check_pair(target, draft)
     trained = draft.config.block_size

@@ -185,13 +185,13 @@ def tree_budget(value, context: Optional[int], name: str = "tree_budget") -> Opt
     return value or None
 
 
-def loaded(model, draft, tokenizer, cost_curve) -> None:
+def loaded(model, draft, tokenizer, cost_curve, curve_type: type) -> None:
     """The objects ``stream_generate`` takes: a target model (mlx-lm's, or a
-    ``Target``), a DFlash draft (``load_draft``), its tokenizer and a
-    ``CostCurve`` or None."""
+    ``Target``), a DFlash draft (``load_draft``), its tokenizer and a cost
+    curve or None (``curve_type``, ``cost_curve.CostCurve``: passed in, as
+    that module imports this one through the decoder)."""
     import mlx.nn as nn
 
-    from .cost_curve import CostCurve
     from .draft import DFlashDraft
     from .target import Target
 
@@ -204,7 +204,7 @@ def loaded(model, draft, tokenizer, cost_curve) -> None:
         raise DFlashError(f"draft must be a DFlash draft from dflash_mlx.load_draft, got {kind(draft)}")
     if not callable(getattr(tokenizer, "encode", None)):
         raise DFlashError(f"tokenizer must be the target's tokenizer (from dflash_mlx.load), got {kind(tokenizer)}")
-    if cost_curve is not None and not isinstance(cost_curve, CostCurve):
+    if cost_curve is not None and not isinstance(cost_curve, curve_type):
         raise DFlashError(f"cost_curve must be a CostCurve (dflash_mlx.cost_curve) or None, got {cost_curve!r}")
 
 
