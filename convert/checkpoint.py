@@ -6,7 +6,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft import DFlashDraft, DraftConfig
+from dflash_mlx.draft import DraftConfig, draft_classes, network_class
 from dflash_mlx.errors import DFlashError
 
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
@@ -18,7 +18,7 @@ def _names(names: list[str], limit: int = 3) -> str:
 
 
 def read_config(path: Path) -> DraftConfig:
-    """Parse ``config.json`` (either z-lab dialect) of an unquantized draft."""
+    """Parse ``config.json`` (either z-lab dialect, v1 or DFlash2) of an unquantized draft."""
     file = path / "config.json"
     if not file.is_file():
         raise DFlashError(f"draft directory '{path}' has no config.json")
@@ -33,15 +33,17 @@ def read_config(path: Path) -> DraftConfig:
             f"draft '{path}' is already quantized; convert the unquantized z-lab checkpoint"
         )
     try:
-        return DraftConfig.from_dict(raw)
+        return draft_classes(raw)[1].from_dict(raw)
     except DFlashError:
         raise
     except (TypeError, ValueError, KeyError) as e:
         raise DFlashError(f"draft config '{file}' has an invalid field: {e}") from None
 
 
-def open_tensors(path: Path) -> dict[str, mx.array]:
-    """Every tensor of ``model*.safetensors``, memory-mapped lazily (nothing is read yet)."""
+def open_tensors(path: Path, config: DraftConfig) -> dict[str, mx.array]:
+    """Every tensor of ``model*.safetensors``, memory-mapped lazily (nothing is
+    read yet), under the names the draft network uses (DFlash2's codebooks
+    gain ``.weight``)."""
     files = sorted(path.glob("model*.safetensors"))
     if not files:
         raise DFlashError(f"draft directory '{path}' has no model*.safetensors weights")
@@ -55,12 +57,13 @@ def open_tensors(path: Path) -> dict[str, mx.array]:
             if name in tensors:
                 raise DFlashError(f"tensor '{name}' appears in more than one weight file")
             tensors[name] = array
-    return tensors
+    sanitize = getattr(network_class(config), "sanitize", None)
+    return sanitize(tensors) if sanitize else tensors
 
 
 def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape the draft needs; the weights are never materialized."""
-    return {name: tuple(p.shape) for name, p in tree_flatten(DFlashDraft(config).parameters())}
+    return {name: tuple(p.shape) for name, p in tree_flatten(network_class(config)(config).parameters())}
 
 
 def validate(config: DraftConfig, tensors: dict[str, mx.array]) -> None:

@@ -64,7 +64,7 @@ def convert_draft(
     check_output(out, force)
     path = resolve(str(src), "draft", DRAFT_FILES)
     config = read_config(path)
-    tensors = open_tensors(path)
+    tensors = open_tensors(path, config)
     validate(config, tensors)
 
     modules = plan(config, bits, group_size, recipe) if bits else {}

@@ -10,7 +10,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx.draft import DFlashDraft, DraftConfig
+from dflash_mlx.draft import DraftConfig, network_class
 
 RECIPES = ("mixed_4_8",)
 
@@ -21,10 +21,12 @@ def plan(
     """Module path -> ``to_quantized`` arguments, or None where it stays unquantized.
 
     ``mixed_4_8`` keeps ``fc`` and every module of the last layer at 8 bits.
+    A DFlash2 draft's selector codebooks are embedding tables and quantize
+    like the linear layers (the gathered rows are dequantized).
     """
     last = f"layers.{config.num_hidden_layers - 1}."
     result = {}
-    for path, module in DFlashDraft(config).named_modules():
+    for path, module in network_class(config)(config).named_modules():
         if not hasattr(module, "to_quantized"):
             continue
         if module.weight.shape[-1] % group_size:

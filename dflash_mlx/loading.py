@@ -10,7 +10,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_model
 
-from .draft import DFlash2Config, DFlash2Draft, DFlashDraft, DraftConfig, is_dflash2
+from .draft import DFlashDraft, draft_classes
 from .draft import read_ranking
 from .errors import DFlashError
 
@@ -62,11 +62,6 @@ def load(path_or_repo: str, lazy: bool = False) -> tuple[nn.Module, TokenizerWra
     return model, tokenizer
 
 
-def _draft_classes(config: dict) -> tuple[type, type]:
-    """The draft network and config classes a config.json names."""
-    return (DFlash2Draft, DFlash2Config) if is_dflash2(config) else (DFlashDraft, DraftConfig)
-
-
 def load_draft(path_or_repo: str, lazy: bool = False) -> DFlashDraft:
     """Load a DFlash draft (v1, or DFlash2 by its ``architectures``): the z-lab
     HF layout (either config dialect) or the MLX layout written by
@@ -78,7 +73,7 @@ def load_draft(path_or_repo: str, lazy: bool = False) -> DFlashDraft:
         raise DFlashError(f"draft directory '{path}' has no model*.safetensors weights")
     try:
         model, _ = load_model(
-            path, lazy=lazy, get_model_classes=_draft_classes
+            path, lazy=lazy, get_model_classes=draft_classes
         )
     except DFlashError:
         raise

@@ -143,7 +143,8 @@ class DFlash2Draft(DFlashDraft):
         self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size,
                                                     config.selector_rank, config.selector_top_k)
 
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    @staticmethod
+    def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """z-lab stores the two codebooks without ``.weight``; they load as embedding tables."""
         out = dict(weights)
         for name in CODEBOOKS:
@@ -162,3 +163,13 @@ class DFlash2Draft(DFlashDraft):
             logits = logits * config.output_multiplier
         cap = config.final_logit_softcapping
         return cap * mx.tanh(logits / cap) if cap is not None and cap > 0 else logits
+
+
+def network_class(config: DraftConfig) -> type:
+    """The draft network a parsed config describes."""
+    return DFlash2Draft if isinstance(config, DFlash2Config) else DFlashDraft
+
+
+def draft_classes(config: dict[str, Any]) -> tuple[type, type]:
+    """(network, config) classes a config.json names (by its ``architectures``)."""
+    return (DFlash2Draft, DFlash2Config) if is_dflash2(config) else (DFlashDraft, DraftConfig)
