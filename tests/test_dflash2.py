@@ -156,3 +156,21 @@ def test_the_registry_pairs_qwen3_8_with_its_dflash2_draft():
 
     for name in ("Qwen/Qwen3.8-27B", "mlx-community/Qwen3.8-27B-4bit"):
         assert find_draft(name) == "z-lab/Qwen3.8-27B-DFlash2"
+
+
+def test_the_cli_generates_with_a_dflash2_draft_and_refuses_its_tree(target_dirs, dflash2_dirs):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    target, draft = str(target_dirs["qwen3"]), str(dflash2_dirs["qwen3", "hf"])
+    common = ["generate", "--model", target, "--draft", draft, "--prompt", "the quick brown fox",
+              "--max-tokens", "16", "--no-chat-template"]
+    result = CliRunner().invoke(app, common + ["--block-size", "4"])
+    assert result.exit_code == 0, result.stderr
+    model, tokenizer = mlx_lm_load(target)
+    want = greedy_reference(model, tokenizer.encode("the quick brown fox"), 16)
+    assert result.stdout.strip() == tokenizer.decode(want).strip()
+    refused = CliRunner().invoke(app, common + ["--tree-budget", "4"])
+    lines = refused.stderr.strip().splitlines()
+    assert refused.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error: ") and "DFlash2" in lines[0]

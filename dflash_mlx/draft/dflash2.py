@@ -28,7 +28,7 @@ from .selector import CODEBOOKS, CandidateSelector
 from ..errors import DFlashError
 
 ARCHITECTURE = "DFlash2DraftModel"
-# dflash_config keys of DFlash2 (defaults as z-lab's code reads them)
+# dflash_config keys a DFlash2 draft needs (z-lab defaults them to 0, which cannot run)
 _SELECTOR_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
