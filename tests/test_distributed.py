@@ -110,6 +110,9 @@ def launched(pairs, tmp_path_factory):
                          "curve_per_rank": CURVES},
                         {"name": f"{family}-auto-off", **common, "options": {"block_size": "auto"},
                          "curve_per_rank": CURVES[::-1]},
+                        # no curve: measured by both ranks together and cached by rank 0, then read back
+                        {"name": f"{family}-auto-measured", **common, "options": {"block_size": "auto"}},
+                        {"name": f"{family}-auto-cached", **common, "options": {"block_size": "auto"}},
                     ]
             refused = [pairs[f][0] for f in NO_PIPELINE] if name == "pipeline" else []
             tmp = tmp_path_factory.mktemp(f"two-ranks-{name}")
@@ -160,6 +163,17 @@ def test_plain_steps_when_rank_0s_curve_turns_speculation_off(launched, mode, fa
     blocks = a["blocks"][1:]  # plain steps (each queued before the host waits for the one before), and probes
     assert blocks.count(1) > len(blocks) / 2
     assert a["tokens"] == launched(mode)[0][f"{family}-greedy"]["tokens"]
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_cost_curve_measured_together_then_cached(launched, mode, family=ADAPTIVE_FAMILY):
+    greedy = launched(mode)[0][f"{family}-greedy"]["tokens"]
+    for run in ("auto-measured", "auto-cached"):
+        a, b = (rank[f"{family}-{run}"] for rank in launched(mode))
+        assert a == b  # the same blocks, cycle by cycle, and the same tokens
+        assert a["tokens"] == greedy
+    cached = [json.loads(p.read_text()) for p in Path(os.environ["DFLASH_MLX_CACHE_DIR"]).rglob("*.json")]
+    assert any(c.get("key", {}).get("distributed") == f"{mode} x2" for c in cached)
 
 
 def test_pipeline_refuses_models_without_stages(launched, pairs):
