@@ -55,7 +55,7 @@ class DraftProposer:
         masks = mx.full((block_size - 1,), self.mask_token_id, dtype=y.dtype)
         block = mx.concatenate([y, masks])[None]
         hidden = self.draft(self.target.embed(block), self.cache)
-        return self.head(hidden[:, 1:])[0]
+        return self.draft.scale_logits(self.head(hidden[:, 1:])[0])
 
 
 class DFlash2Proposer(DraftProposer):

@@ -25,6 +25,7 @@ CASES = {
         layer_types=[SLIDING] * 2, is_causal=False, output_multiplier=0.5, softcap=2.0),
     "is_causal absent: sliding causal, full bidirectional": dict(layer_types=[SLIDING, FULL], is_causal=None),
     "is_causal true, multiplier only": dict(layer_types=[FULL, SLIDING], is_causal=True, output_multiplier=1.7),
+    "input_embedding_scale": dict(layer_types=[SLIDING, SLIDING], is_causal=False, input_embedding_scale=0.7),
 }
 
 
@@ -168,8 +169,13 @@ def close(got, want, tol=2e-4):
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_paths_and_q_rows_follow_the_equations(tmp_path, target, case):
     model_target, config, embed, head = target
+    options = dict(CASES[case])
+    scale = options.pop("input_embedding_scale", None)
     cfg = write_dflash2_draft(tmp_path, config, block_size=BLOCK, sliding_window=WINDOW, top_k=6,
-                              codebook_std=1.0, seed=len(case), **CASES[case])
+                              codebook_std=1.0, seed=len(case), **options)
+    if scale is not None:
+        cfg["dflash_config"]["input_embedding_scale"] = scale
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
     W, k = published_layout(tmp_path), cfg["dflash_config"]["selector_top_k"]
     draft = load_draft(str(tmp_path))
     assert draft.config.block_size == BLOCK
@@ -208,11 +214,17 @@ def test_the_fixtures_tell_the_variants_apart(tmp_path, target):
     assert any(p != np.argmax(z, axis=-1).tolist() for p in paths), "the transition never changes a path"
 
 
-def test_v1_sliding_layers_without_is_causal_are_causal_in_the_block(tmp_path, target):
+@pytest.mark.parametrize("scaling", [{}, dict(output_multiplier=0.5, final_logit_softcapping=2.0,
+                                               input_embedding_scale=1.3)])
+def test_v1_drafts_follow_the_newer_code(tmp_path, target, scaling):
     """z-lab's newer code: a sliding layer is causal inside the block unless
-    is_causal says otherwise, full layers are not. Our v1 draft does the same."""
+    is_causal says otherwise, full layers are not; logits are scaled and
+    capped, and the block embedding scaled, as for DFlash2. Our v1 draft does
+    the same."""
     model_target, config, embed, head = target
     cfg = write_draft(tmp_path, config, block_size=BLOCK, layer_types=[SLIDING, FULL], sliding_window=WINDOW)
+    cfg["dflash_config"].update(scaling)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     W = published_layout(tmp_path)
     draft = load_draft(str(tmp_path))
     assert draft.config.is_causal is None

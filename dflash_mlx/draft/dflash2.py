@@ -14,11 +14,13 @@ only, never the context. Attention, the context cache and KV injection are the
 v1 draft's (``model.py``); the published drafts set ``is_causal: false``.
 
 Logits of block rows 1..b-1 are ``lm_head(norm(h)) * output_multiplier``, then
-``cap * tanh(z / cap)`` when ``final_logit_softcapping`` is set.
+``cap * tanh(z / cap)`` when ``final_logit_softcapping`` is set, and the block
+embedding is scaled by ``input_embedding_scale``, as for v1 drafts
+(``DFlashDraft.scale_logits``).
 """
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,29 +41,22 @@ def is_dflash2(config: dict[str, Any]) -> bool:
 
 @dataclass
 class DFlash2Config(DraftConfig):
-    """A DraftConfig plus the convolution, selector and logit-scaling keys of
-    ``dflash_config`` (a ``dflash_config`` key wins over a top-level one)."""
+    """A DraftConfig plus the convolution and selector keys of ``dflash_config``
+    (a ``dflash_config`` key wins over a top-level one)."""
 
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
-    output_multiplier: float = 1.0
-    input_embedding_scale: float = 1.0
-    final_logit_softcapping: Optional[float] = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "DFlash2Config":
         base = DraftConfig.from_dict(cfg)
         dflash = cfg.get("dflash_config") or {}
-        get = lambda key, default: dflash.get(key, cfg.get(key, default))
-        cap = get("final_logit_softcapping", None)
+        get = lambda key: dflash.get(key, cfg.get(key, 0))
         config = cls(
             **{f.name: getattr(base, f.name) for f in fields(DraftConfig)},
-            **{key: int(get(key, 0)) for key in _SELECTOR_KEYS},
-            output_multiplier=float(get("output_multiplier", 1.0)),
-            input_embedding_scale=float(get("input_embedding_scale", 1.0)),
-            final_logit_softcapping=None if cap is None else float(cap),
+            **{key: int(get(key)) for key in _SELECTOR_KEYS},
         )
         config.validate()
         return config
@@ -81,10 +76,6 @@ class DFlash2Config(DraftConfig):
         cfg = super().to_dict()
         cfg["architectures"] = [ARCHITECTURE]
         cfg["dflash_config"].update({key: getattr(self, key) for key in _SELECTOR_KEYS})
-        cfg["dflash_config"]["output_multiplier"] = self.output_multiplier
-        cfg["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
-        if self.final_logit_softcapping is not None:
-            cfg["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
         return cfg
 
 
@@ -152,17 +143,6 @@ class DFlash2Draft(DFlashDraft):
             if key in out:
                 out[f"{key}.weight"] = out.pop(key)
         return out
-
-    def __call__(self, block_embeddings: mx.array, cache) -> mx.array:
-        return super().__call__(block_embeddings * self.config.input_embedding_scale, cache)
-
-    def scale_logits(self, logits: mx.array) -> mx.array:
-        """z * output_multiplier, then soft-capped when the config has a cap."""
-        config = self.config
-        if config.output_multiplier != 1.0:
-            logits = logits * config.output_multiplier
-        cap = config.final_logit_softcapping
-        return cap * mx.tanh(logits / cap) if cap is not None and cap > 0 else logits
 
 
 def network_class(config: DraftConfig) -> type:

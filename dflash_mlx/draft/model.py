@@ -75,6 +75,9 @@ class DraftConfig:
     attention_bias: bool = False
     is_causal: Optional[bool] = None  # None: causal block attention on sliding layers only
     quantization: Optional[dict] = None
+    output_multiplier: float = 1.0  # logits * this, then soft-capped when a cap is set
+    input_embedding_scale: float = 1.0
+    final_logit_softcapping: Optional[float] = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "DraftConfig":
@@ -97,6 +100,8 @@ class DraftConfig:
         if "mask_token_id" not in dflash and "mask_token_id" not in cfg:
             raise DFlashError("draft config.json has no 'dflash_config.mask_token_id' field")
         layer_types = list(cfg.get("layer_types") or [FULL] * n)
+        get = lambda key, default: dflash.get(key, cfg.get(key, default))  # dflash_config wins
+        cap = get("final_logit_softcapping", None)
         config = cls(
             hidden_size=hidden,
             num_hidden_layers=n,
@@ -122,6 +127,9 @@ class DraftConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             is_causal=None if cfg.get("is_causal") is None else bool(cfg["is_causal"]),
             quantization=cfg.get("quantization"),
+            output_multiplier=float(get("output_multiplier", 1.0)),
+            input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+            final_logit_softcapping=None if cap is None else float(cap),
         )
         config.validate()
         return config
@@ -173,6 +181,10 @@ class DraftConfig:
             cfg["is_causal"] = self.is_causal
         if self.quantization is not None:
             cfg["quantization"] = self.quantization
+        for key, default in (("output_multiplier", 1.0), ("input_embedding_scale", 1.0),
+                             ("final_logit_softcapping", None)):
+            if getattr(self, key) != default:
+                cfg["dflash_config"][key] = getattr(self, key)
         return cfg
 
     def causal(self, layer_type: str) -> bool:
@@ -323,7 +335,16 @@ class DFlashDraft(nn.Module):
 
     def __call__(self, block_embeddings: mx.array, cache: list[DraftContextCache]) -> mx.array:
         """Final-normed hidden states [B, b, H] for a block placed right after the context."""
-        h = block_embeddings
+        scale = self.config.input_embedding_scale
+        h = block_embeddings if scale == 1.0 else block_embeddings * scale
         for layer, c in zip(self.layers, cache):
             h = layer(h, c)
         return self.norm(h)
+
+    def scale_logits(self, logits: mx.array) -> mx.array:
+        """z * output_multiplier, then cap * tanh(z / cap) when the config has a cap."""
+        config = self.config
+        if config.output_multiplier != 1.0:
+            logits = logits * config.output_multiplier
+        cap = config.final_logit_softcapping
+        return cap * mx.tanh(logits / cap) if cap is not None and cap > 0 else logits
