@@ -3,6 +3,7 @@ backend over 127.0.0.1 (distributed_worker.py is each rank)."""
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -31,21 +32,28 @@ EOS = 2  # the tiny checkpoints' eos_token_id
 LAUNCH_TIMEOUT_S = 120
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+def free_ports(n: int) -> int:
+    """A port p with p .. p+n-1 free on 127.0.0.1, below the kernel's ephemeral
+    range (32768 and up), where the ranks' own outgoing connections cannot take it."""
+    rng = random.Random()
+    for _ in range(200):
+        start = rng.randrange(20000, 32768 - n)
+        try:
+            sockets = [socket.create_server(("127.0.0.1", start + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in sockets:
+            s.close()
+        return start
+    raise RuntimeError("no free ports on 127.0.0.1")
 
 
 def launch(tmp_path: Path, spec: dict, size: int = 2) -> list[subprocess.CompletedProcess]:
     """Run the worker as ranks 0..size-1 of a ring over 127.0.0.1, set up as
     mlx.launch sets it up (MLX_RANK, MLX_HOSTFILE); (returncode, stderr) per rank."""
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(size)]))
+    start = free_ports(size)
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{start + rank}"] for rank in range(size)]))
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     procs = [
@@ -218,36 +226,20 @@ def test_watchdog_ends_a_stuck_rank_with_one_line():
     ]
 
 
-def consecutive_free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free on 127.0.0.1 (mlx.launch's --starting-port)."""
-    for _ in range(50):
-        start = free_ports(1)[0]
-        if start + n > 65535:
-            continue
-        try:
-            sockets = [socket.create_server(("127.0.0.1", start + i)) for i in range(n)]
-        except OSError:
-            continue
-        for s in sockets:
-            s.close()
-        return start
-    raise RuntimeError("no free ports")
-
-
 def test_cli_under_mlx_launch_only_rank_0_talks(pairs):
     target, draft = pairs["qwen3_5"]
     model, tokenizer = load(target)
     single = generate(model, load_draft(draft), tokenizer, PROMPT, block_size=4, max_tokens=16)
     mlx_launch = str(Path(sys.executable).with_name("mlx.launch"))
-    port = consecutive_free_ports(2)
+    port = free_ports(2)
     both = subprocess.run(
         [mlx_launch, "--backend", "ring", "-n", "2", "--starting-port", str(port), "--",
          sys.executable, "-m", "dflash_mlx", "generate", "--model", target, "--draft", draft, "-p", PROMPT,
          "-b", "4", "-n", "16", "--no-chat-template", "--distributed", "tensor"],
         capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
     )
-    assert both.returncode == 0, both.stderr
-    assert both.stdout == single.text + "\n"  # the text once: rank 1 printed nothing
+    assert "exited with code" not in both.stderr, both.stderr  # mlx.launch itself exits 0 whatever the ranks do
+    assert both.stdout == single.text + "\n", both.stderr  # the text once: rank 1 printed nothing
     (stats,) = [line for line in both.stderr.splitlines() if line.startswith("prompt:")]  # rank 0's only
     cycles = len(single.acceptance_lengths)
     assert f"{cycles} cycles, tau {single.mean_acceptance:.2f} tokens/cycle" in stats
