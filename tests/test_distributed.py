@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from checkpoints import write_target
+from mlx_lm import convert as mlx_lm_convert
 
 from dflash_mlx import DFlashError, generate, load, load_draft
 from dflash_mlx import distributed
@@ -23,7 +24,10 @@ CASES = [("tensor", f) for f in ("llama", "qwen3", "qwen3_5", "qwen3_5_untied")]
     ("pipeline", f) for f in ("qwen3_5", "qwen3_moe")
 ]
 # the other families mlx-lm can shard, in a launch of their own under -m slow
-MORE_CASES = [("tensor-more", f) for f in ("qwen3_moe", "qwen3_5_moe", "gpt_oss")] + [("pipeline-more", "qwen3_5_moe")]
+# (and 4-bit targets: q4, converted by mlx-lm), in a launch of their own under -m slow
+MORE_CASES = [("tensor-more", f) for f in ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "llama_q4", "qwen3_5_q4")] + [
+    ("pipeline-more", f) for f in ("qwen3_5_moe", "qwen3_5_q4")
+]
 ADAPTIVE_FAMILY = "qwen3_5"  # the adaptive block's runs, in both modes (its agreement knows no family)
 NO_PIPELINE = ("llama", "qwen3")  # mlx-lm's classes have no pipeline(): refused with one line
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -82,7 +86,11 @@ def pairs(target_dirs, draft_dir, tmp_path_factory):
     write_target(untied, "qwen3_5", tie_word_embeddings=False)
     dirs = {**target_dirs, "qwen3_5_untied": untied}
     families = {f for _, f in CASES + MORE_CASES} | set(NO_PIPELINE)
-    return {f: (str(dirs[f]), str(draft_dir(f.removesuffix("_untied")))) for f in families}
+    for family in [f for f in families if f.endswith("_q4")]:
+        dirs[family] = tmp_path_factory.mktemp(f"target-{family}") / "model"
+        mlx_lm_convert(str(dirs[family.removesuffix("_q4")]), mlx_path=str(dirs[family]), quantize=True,
+                       q_group_size=32, q_bits=4)  # 32: a rank's half of a 64-wide input
+    return {f: (str(dirs[f]), str(draft_dir(f.removesuffix("_untied").removesuffix("_q4")))) for f in families}
 
 
 def curve(target_s: list[float]) -> dict:
