@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from .draft import RANKING_FILE, rank_corpus, read_ranking, write_ranking
 from .errors import DFlashError
 from .generate import check_pair
-from .loading import TOKENIZER_FILES, load_draft, resolve
+from .loading import TOKENIZER_FILES, check_tokenizer, load_draft, resolve
 from .registry import read_config, resolve_pair
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -65,10 +65,10 @@ def rank_for_draft(corpus: Sequence[str], model: Optional[str], draft: Optional[
     check_ranking_destination(draft_dir)
     shape = target_shape(pair.target)
     check_pair(shape, load_draft(str(draft_dir), lazy=True))
+    tokenizer_dir = resolve(pair.target, "target", TOKENIZER_FILES)
+    check_tokenizer(tokenizer_dir)
     try:
-        tokenizer = load_tokenizer(resolve(pair.target, "target", TOKENIZER_FILES))
-    except DFlashError:
-        raise
+        tokenizer = load_tokenizer(tokenizer_dir)
     except Exception as e:
         raise DFlashError(f"cannot load the tokenizer of target '{pair.target}': {e}") from None
     ranking, counted = rank_corpus(tokenizer, corpus, shape.vocab_size)

@@ -47,6 +47,14 @@ def resolve(path_or_repo: str, what: str, allow_patterns: list[str] | None = Non
     )
 
 
+def check_tokenizer(path: Path) -> None:
+    """DFlashError unless the target directory holds a tokenizer: without its
+    files transformers makes an empty one, and every prompt encodes to nothing."""
+    if not any((path / name).is_file() for name in TOKENIZER_NAMES) and not list(path.glob("*.tiktoken")):
+        raise DFlashError(f"target '{path}' has no tokenizer (no {', '.join(TOKENIZER_NAMES)}); "
+                          "copy the tokenizer files of the model it was made from into it")
+
+
 def load(path_or_repo: str, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a target model and tokenizer with mlx-lm (local path or hub repo)."""
     path = resolve(path_or_repo, "target")
@@ -54,10 +62,7 @@ def load(path_or_repo: str, lazy: bool = False) -> tuple[nn.Module, TokenizerWra
         model, tokenizer = mlx_lm_load(str(path), lazy=lazy)
     except Exception as e:
         raise DFlashError(f"cannot load target from '{path}': {_one_line(e)}") from None
-    # without its files transformers makes an empty tokenizer, and every prompt would encode to nothing
-    if not any((path / name).is_file() for name in TOKENIZER_NAMES) and not list(path.glob("*.tiktoken")):
-        raise DFlashError(f"target '{path}' has no tokenizer (no {', '.join(TOKENIZER_NAMES)}); "
-                          "copy the tokenizer files of the model it was made from into it")
+    check_tokenizer(path)
     # a prompt longer than the context: generation says so (validate.prompt_length), not transformers
     getattr(tokenizer._tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
     return model, tokenizer

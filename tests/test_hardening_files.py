@@ -12,6 +12,7 @@ import pytest
 
 from dflash_mlx.demo import DEMO_DIR
 from dflash_mlx.draft import RANKING_FILE
+from dflash_mlx.errors import DFlashError
 
 
 def cli(*args, timeout=120) -> subprocess.CompletedProcess:
@@ -66,3 +67,16 @@ def test_draft_vocab_replaces_no_other_file(tmp_path, corpus, target_dirs, draft
 
 def test_draft_vocab_into_an_odd_path_is_one_error_line(corpus, target_dirs):
     one_error_line(cli("draft-vocab", "-m", target_dirs["qwen3"], "-d", "/proc/self", corpus), "/proc/self")
+
+
+def test_draft_vocab_needs_the_targets_tokenizer(tmp_path, corpus, target_dirs, draft_dir):
+    from dflash_mlx.draft_vocab import rank_for_draft
+
+    bare, draft = tmp_path / "bare", tmp_path / "draft"
+    shutil.copytree(target_dirs["qwen3"], bare)
+    shutil.copytree(draft_dir("qwen3"), draft)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    with pytest.raises(DFlashError, match="has no tokenizer"):
+        rank_for_draft([str(corpus)], str(bare), str(draft))
+    assert not (draft / RANKING_FILE).exists()
