@@ -216,6 +216,15 @@ class Engine:
 
     def _run(self) -> None:
         try:
+            self._serve()
+        finally:
+            # MLX's streams of this thread go with it, while the interpreter is
+            # whole: torn down at exit instead, they abort the process now and
+            # then ("terminate called without an active exception")
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        try:
             self._load()
         except Exception as e:  # reported by start() in the caller's thread
             self._load_error = e if isinstance(e, DFlashError) else DFlashError(str(e))
