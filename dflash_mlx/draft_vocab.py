@@ -18,6 +18,7 @@ from .errors import DFlashError
 from .generate import check_pair
 from .loading import TOKENIZER_FILES, check_tokenizer, load_draft, resolve
 from .registry import read_config, resolve_pair
+from .validate import writable
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -45,6 +46,7 @@ def check_ranking_destination(draft_dir: Path) -> None:
     if draft_dir.resolve().is_relative_to(PACKAGE_DIR):
         raise DFlashError(f"'{draft_dir}' is part of the installed dflash-mlx and keeps the ranking it ships "
                           "with; copy the draft directory and pass --model TARGET --draft COPY")
+    writable(draft_dir, "--draft")  # before the corpus is read, not after
     existing = draft_dir / RANKING_FILE
     if existing.exists() and not existing.is_file():
         raise DFlashError(f"'{existing}' is not a file; move it away to store a ranking there")
