@@ -3,7 +3,7 @@
     python distributed_worker.py SPEC.json OUT_DIR
 
 SPEC: {"mode": "tensor"|"pipeline"?, "runs": [{"name", "target", "draft", "prompt", "max_tokens", "options",
-"curve_per_rank"?}], "refused": [target]?, "fail": {"rank", "after", "how": "exit"|"hang"}?, "timeout"?}.
+"curve_per_rank"?}], "refused": [target]?, "fail": {"rank", "after", "how": "exit"|"hang"}?, "timeouts": [per rank]?}.
 Each run decodes with ``dflash_mlx.distributed.stream_generate`` on the
 target sharded by mlx-lm's ``sharded_load`` (tensor parallel, or pipeline stages); a greedy run also
 decodes with mlx-lm's own ``generate_step`` on the same sharded model. This
@@ -54,7 +54,7 @@ def main(spec_path: str, out_dir: str) -> None:
             options["cost_curve"] = CostCurve(**{k: tuple(v) for k, v in run["curve_per_rank"][rank].items()})
         tokens, blocks = [], []
         stream = distributed.stream_generate(target, draft, tokenizer, prompt, group,
-                                             timeout=spec.get("timeout", distributed.TIMEOUT_S),
+                                             timeout=spec.get("timeouts", [distributed.TIMEOUT_S] * 2)[rank],
                                              max_tokens=run["max_tokens"], **options)
         try:
             for i, response in enumerate(stream):

@@ -205,7 +205,8 @@ def test_a_lost_rank_ends_the_other_with_one_line(pairs, tmp_path, how):
     target, draft = pairs["qwen3"]
     run = {"name": "run", "target": target, "draft": draft, "prompt": PROMPT, "max_tokens": 200,
            "options": {"block_size": 4}}
-    outcome = launch(tmp_path, {"runs": [run], "fail": {"rank": 1, "after": 2, "how": how}, "timeout": 5})
+    # rank 1's watchdog waits longer, so that rank 0's is the one that ends a hang
+    outcome = launch(tmp_path, {"runs": [run], "fail": {"rank": 1, "after": 2, "how": how}, "timeouts": [5, 60]})
     (rc0, err0), (rc1, _) = outcome
     assert rc1 == 3 if how == "exit" else rc1 != 0
     assert rc0 == 1
