@@ -62,6 +62,8 @@ def run_threads(jobs, arm=lambda threads: None):
             results[name] = job()
         except Exception as e:  # the test reports it
             results[name] = e
+        finally:
+            mx.clear_streams()  # or the test process may abort as it exits (docs/threads.md)
 
     threads = [threading.Thread(target=run, args=job, name=job[0]) for job in jobs]
     arm(threads)
