@@ -94,7 +94,8 @@ def selector_proposer(draft, wrong=None):
                 prev = prepared[0][j, mx.argmax(s)].reshape(1)
             return drafted, scatter(prepared[0], mx.stack(rows), logits.shape[-1])
 
-    return lambda model, params, memo: Proposer(draft, Target(model), memo)
+    targets = {}  # one Target per model, shared by the runs
+    return lambda model, params, memo: Proposer(draft, targets.setdefault(id(model), Target(model)), memo)
 
 
 def test_samples_follow_the_targets_distribution(model, draft):
@@ -106,10 +107,11 @@ def test_samples_follow_the_targets_distribution(model, draft):
 
 @pytest.mark.parametrize("wrong", ["full softmax", "argmax walk"])
 def test_wrong_q_is_caught(model, draft, wrong):
-    """The (x2, x3) test rejects each wrong q at p < 1e-6 on this fixture (runs
-    are seeded, so the outcome is fixed: p was about 1e-60 for the softmax and
-    1e-26 for the argmax walk; with half the runs, 1e-5 for the walk). x3 is needed: the argmax walk's first
-    row is the true one (both follow the anchor); its second row is not."""
+    """The (x2, x3) test, with as many runs as the test above, rejects each
+    wrong q at p < 1e-6 on this fixture (runs are seeded, so the outcome is
+    fixed: p is about 1e-60 for the softmax and 1e-26 for the argmax walk;
+    with half the runs the walk's was only 4e-5). x3 is needed: the argmax walk's
+    first row is the true one (both follow the anchor); its second is not."""
     tokens, _ = sample(model, PARAMS, proposer=selector_proposer(draft, wrong), runs=RUNS, positions=3)
     p = pvalues(tokens, exact_joint(model, PARAMS, depth=3))["x2,x3"]
     assert p < 1e-6, f"{wrong} not caught (p = {p:.2e})"
