@@ -264,3 +264,9 @@ def test_cli_rank_without_distributed_is_refused(pairs):
         "error: this process is a rank started by mlx.launch; pass --distributed tensor (or pipeline) "
         "so the ranks share one target"
     ]
+
+
+@pytest.mark.parametrize("option,value,flag", [("tree_budget", 4, "--tree-budget"), ("draft_vocab", 64, "--draft-vocab")])
+def test_unsupported_options_are_one_clear_error(option, value, flag):
+    with pytest.raises(DFlashError, match=f"^{flag} is not supported with --distributed; drop it"):
+        next(distributed.stream_generate(None, None, None, "prompt", mx.distributed.init(), **{option: value}))
