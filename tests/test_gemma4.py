@@ -131,3 +131,27 @@ def test_the_draft_borrows_scaled_embeddings_and_the_softcapped_tied_head(gemma)
 ])
 def test_the_registry_knows_the_published_gemma4_drafts(target, draft):
     assert find_draft(target) == draft
+
+
+def test_tree_walk_to_every_depth_keeps_mlx_lm_output_and_the_owners_caches(gemma):
+    """DDTree over Gemma 4: each layer called with its per-layer input and the
+    K/V its owner produced in the same tree pass, nodes rotated at their depth;
+    the path left at depth 1 and ``stop`` is followed, and the owning layers'
+    caches end as a fresh feed of the committed tokens leaves them."""
+    from test_tree_loop import BLOCK, assert_cache_close_to_fresh_feed, oracle_cycles
+
+    model, tokenizer, _ = gemma["gemma4"]
+    target = Target(model)
+    prompt = tokenizer.encode(PROMPT)
+    continuation = greedy_reference(model, prompt, 3 * BLOCK + 2)
+    for stop in (0, 1, BLOCK // 2, BLOCK - 1):
+        second = {0, stop - 1} if stop > 1 else set()
+        for decoder, out in oracle_cycles(target, prompt, continuation, stop, second):
+            assert_cache_close_to_fresh_feed(target, decoder.cache, prompt + out[:-1])
+
+
+def test_tree_generation_is_mlx_lm_greedy_output(gemma):
+    model, tokenizer, draft = gemma["gemma4"]
+    ids = tokenizer.encode(PROMPT)
+    res = generate(model, draft, tokenizer, PROMPT, max_tokens=32, block_size=8, tree_budget=8)
+    assert_same_or_near_tie(model, ids, res.tokens, greedy_reference(model, ids, 32))

@@ -59,12 +59,15 @@ def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) 
     masks = {kind.name: tree_mask(tree.parents, tree.depths, offset, kind.window)
              for kind in target.kinds if isinstance(kind, Attention)}
     positions = offset + mx.array(tree.depths)
-    layers = [positioned(layer, positions) if isinstance(kind, Attention) else layer
-              for layer, kind in zip(target.layers, target.kinds)]
     recurrent = [layer for layer, kind in zip(target.layers, target.kinds) if isinstance(kind, GatedDelta)]
     plan = gated_delta.plan(tree, recurrent[0].linear_attn.conv_kernel_size) if recurrent else None
     wanted, records = {}, [None] * target.num_layers
-    h = target.embed(mx.array(tree.tokens)[None])
+    tokens = mx.array(tree.tokens)[None]
+    h = target.embed(tokens)
+    layers = target.stack.layer_calls(
+        [positioned(layer, positions) if isinstance(kind, Attention) else layer
+         for layer, kind in zip(target.layers, target.kinds)], tokens, h)
+    cache = list(cache) + [None] * (target.num_layers - len(cache))  # layers reading another's K/V own none
     with target.verify_matmuls():
         for i, (layer, kind, c) in enumerate(zip(layers, target.kinds, cache)):
             if isinstance(kind, Attention):
