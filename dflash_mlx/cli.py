@@ -303,7 +303,7 @@ def draft_vocab(
 ):
     """Rank the target's vocabulary by frequency in a corpus and store it beside the draft, for --draft-vocab N."""
     try:
-        from .draft_vocab import rank_for_draft
+        from .vocab_ranking import rank_for_draft
 
         path, vocab_size, counted = rank_for_draft(corpus, model, draft)
     except DFlashError as e:

@@ -70,7 +70,7 @@ def test_draft_vocab_into_an_odd_path_is_one_error_line(corpus, target_dirs):
 
 
 def test_draft_vocab_needs_the_targets_tokenizer(tmp_path, corpus, target_dirs, draft_dir):
-    from dflash_mlx.draft_vocab import rank_for_draft
+    from dflash_mlx.vocab_ranking import rank_for_draft
 
     bare, draft = tmp_path / "bare", tmp_path / "draft"
     shutil.copytree(target_dirs["qwen3"], bare)
