@@ -52,10 +52,13 @@ class DraftProposer:
         self.draft.inject(features, self.cache)
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
+        return self.draft.scale_logits(self.head(self.block_hidden(y, block_size)))
+
+    def block_hidden(self, y: mx.array, block_size: int) -> mx.array:
+        """The draft's normed hidden states [b-1, H] of block rows 1..b-1 after y."""
         masks = mx.full((block_size - 1,), self.mask_token_id, dtype=y.dtype)
         block = mx.concatenate([y, masks])[None]
-        hidden = self.draft(self.target.embed(block), self.cache)
-        return self.draft.scale_logits(self.head(hidden[:, 1:])[0])
+        return self.draft(self.target.embed(block), self.cache)[0, 1:]
 
 
 class DFlash2Proposer(DraftProposer):
@@ -64,9 +67,7 @@ class DFlash2Proposer(DraftProposer):
 
     def _rows(self, y: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
         """(normed hidden [b-1, H], scaled logits [b-1, V]) of block rows 1..b-1."""
-        masks = mx.full((block_size - 1,), self.mask_token_id, dtype=y.dtype)
-        block = mx.concatenate([y, masks])[None]
-        hidden = self.draft(self.target.embed(block), self.cache)[0, 1:]
+        hidden = self.block_hidden(y, block_size)
         return hidden, self.draft.scale_logits(self.head(hidden))
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
