@@ -99,3 +99,27 @@ def test_a_v1_checkpoint_with_dflash2_tensors_is_refused(tmp_path, source):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashError, match="unexpected tensor"):
         convert_draft(str(bad), tmp_path / "out", log=print)
+
+
+def test_the_published_shapes_are_what_the_network_expects():
+    """The Qwen3.8-27B-DFlash2 dimensions (H 5120, 32 query and 8 KV heads of
+    128, MLP 17408, K 2, gs 16, R 256, V 248320): the converter's expected
+    tensors have the published shapes (nothing is materialised)."""
+    from dflash_mlx.convert.checkpoint import expected_shapes
+    from dflash_mlx.draft import DFlash2Config
+
+    config = DFlash2Config.from_dict({
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": 5120,
+        "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 17408, "vocab_size": 248320, "num_target_layers": 64, "is_causal": False,
+        "layer_types": ["sliding_attention"] * 2, "sliding_window": 2048,
+        "dflash_config": {"block_size": 8, "mask_token_id": 248077, "target_layer_ids": [1, 62],
+                          "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 8},
+    })
+    shapes = expected_shapes(config)
+    assert shapes["layers.1.attention_conv.kernel_projection.weight"] == (1280, 5120)
+    assert shapes["layers.0.mlp_conv.base_kernel"] == (2, 2, 5120)
+    assert shapes["candidate_selector.hidden_projection.weight"] == (256, 5120)
+    assert shapes["candidate_selector.predecessor_codebook.weight"] == (248320, 256)
+    assert shapes["candidate_selector.successor_codebook.weight"] == (248320, 256)
+    assert shapes["fc.weight"] == (5120, 2 * 5120) and config.block_size == 8
