@@ -92,14 +92,6 @@ def _read_prompt(prompt: str) -> str:
     return text(prompt)
 
 
-def _utf8(value: Optional[str], name: str) -> None:
-    """Refuse text holding bytes that are not UTF-8 (they reach argv as lone surrogates)."""
-    try:
-        (value or "").encode("utf-8")
-    except UnicodeEncodeError:
-        raise DFlashError(f"the {name} is not valid UTF-8") from None
-
-
 @app.command()
 def generate(
     model: Optional[str] = typer.Option(
@@ -173,8 +165,8 @@ def generate(
         tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
         block_size = validate.block_option(block_size, "--block-size")
         text = _read_prompt(prompt)
-        for value, name in [(system, "--system text"), *((s, "--stop string") for s in stop)]:
-            _utf8(value, name)
+        for value, name in [(system or "", "--system text"), *((s, "--stop string") for s in stop)]:
+            validate.utf8(value, name)
         if system is not None and no_chat_template:
             raise DFlashError("--system goes through the chat template; drop --no-chat-template "
                               "or put the system text in the prompt")
@@ -224,6 +216,7 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: l
     stopped = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UntrainedBlockWarning)  # the command warned already
+        warnings.showwarning = lambda message, *_: _note(f"warning: {message}")  # one line, no source
         for r in (launch.stream_generate if launch else stream_generate)(model, draft, tokenizer, text, **options):
             if tally.last is None:  # once the pair and prompt passed every check
                 for line in (note, console and LEGEND):

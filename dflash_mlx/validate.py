@@ -160,13 +160,18 @@ def logit_bias(bias, vocab_size: int, name: str = "logit_bias") -> None:
         real(value, f"{name}[{token}]")
 
 
-def text(value: str, name: str = "prompt") -> str:
-    """Text that is valid UTF-8 (undecodable input bytes arrive as lone surrogates)
-    and not empty or all whitespace."""
+def utf8(value: str, name: str) -> str:
+    """Text that is valid UTF-8 (undecodable input bytes arrive as lone surrogates)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise DFlashError(f"the {name} is not valid UTF-8") from None
+    return value
+
+
+def text(value: str, name: str = "prompt") -> str:
+    """Text that is valid UTF-8 and not empty or all whitespace."""
+    utf8(value, name)
     if not value.strip():
         raise DFlashError(f"the {name} is empty")
     return value

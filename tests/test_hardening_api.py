@@ -94,3 +94,17 @@ def test_bench_refuses_before_loading(args, wanted):
     run = cli("bench", "--max-tokens", "2", *args)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and wanted in lines[0], run.stderr
+
+
+def test_the_cli_says_a_long_prompt_in_one_warning_line(tmp_path, target_dirs, draft_dir):
+    short = tmp_path / "short"
+    shutil.copytree(target_dirs["qwen3"], short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 32
+    (short / "config.json").write_text(json.dumps(config))
+    out = cli("generate", "--model", short, "--draft", draft_dir("qwen3"), "--no-chat-template",
+              "-n", 2, "-b", 4, "--prompt", "hello world " * 30)
+    assert out.returncode == 0, out.stderr
+    warned = [line for line in out.stderr.splitlines() if "context length of 32" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: "), out.stderr
+    assert "warnings.warn" not in out.stderr and ".py:" not in out.stderr
