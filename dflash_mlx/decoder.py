@@ -79,6 +79,11 @@ class DFlash2Proposer(DraftProposer):
         temperature = 0.0 if key is None else sampler.params.temperature
         return self.draft.candidate_selector.walk(hidden, logits, y, temperature, key)
 
+    def tree_candidates(self, y: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
+        """For a DDTree: each depth's candidates and their log-probs after every
+        parent candidate (``CandidateSelector.transitions``)."""
+        return self.draft.candidate_selector.transitions(*self._rows(y, block_size), y)
+
 
 def proposer_for(draft: DFlashDraft, target: Target, cache: Optional[list] = None,
                  head: Optional[Callable[[mx.array], mx.array]] = None) -> DraftProposer:

@@ -19,7 +19,7 @@ from . import validate
 from .block_policy import AdaptiveBlock, FixedBlock
 from .chat import encode
 from .decoder import ContextCache, SpeculativeDecoder, proposer_for
-from .draft import DFlash2Draft, DFlashDraft
+from .draft import DFlashDraft
 from .draft import subset_head
 from .errors import DFlashError
 from .target import check_forward
@@ -171,9 +171,6 @@ def stream_generate(
     block_size = trained if block_size is None else validate.block_size(block_size, trained)
     validate.logit_bias(logit_bias, target.vocab_size)
     tree_budget = validate.tree_budget(tree_budget, getattr(target.args, "max_position_embeddings", None))
-    if tree_budget and isinstance(draft, DFlash2Draft):
-        raise DFlashError("DDTree (tree_budget) does not take DFlash2 drafts: its tree is not built from "
-                          "the candidate selector yet; leave tree_budget unset to decode the chain")
     head = None
     if draft_vocab is not None:
         head = subset_head(target, draft.vocab_ranking, draft_vocab)  # an integer >= 1: checked above

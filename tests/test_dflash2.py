@@ -1,7 +1,7 @@
 """DFlash2 drafts load in z-lab's layout and ours, run through the same loop
 as v1 drafts (a second proposer), and stay token-identical to mlx-lm's greedy
 output, with the selector's walk choosing the drafts, at every acceptance
-length."""
+length; DDTree builds its tree from the selector's transitions."""
 
 import json
 
@@ -14,6 +14,7 @@ from checkpoints import write_dflash2_draft
 from dflash_mlx import DFlashError, Target, generate, load_draft
 from dflash_mlx.decoder import DFlash2Proposer, SpeculativeDecoder, proposer_for
 from dflash_mlx.draft import DFlash2Draft, DFlashDraft
+from dflash_mlx.sampling import BlockSampler, SamplingParams
 
 FAMILIES = ["llama", "qwen3", "qwen3_5"]
 BLOCK = 8
@@ -144,11 +145,67 @@ def test_the_proposer_follows_the_architecture(loaded, draft_dir):
     assert type(proposer_for(load_draft(str(draft_dir("qwen3"))), target)) is not DFlash2Proposer
 
 
-def test_tree_decoding_refuses_dflash2_with_one_line(loaded):
-    model, tokenizer, draft = loaded["qwen3"]
-    with pytest.raises(DFlashError, match="DFlash2") as e:
-        generate(model, draft, tokenizer, "hello", max_tokens=4, tree_budget=4)
-    assert "\n" not in str(e.value)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_tree_decoding_with_dflash2_is_mlx_lm_greedy(loaded, family):
+    model, tokenizer, draft = loaded[family]
+    ids = tokenizer.encode("the quick brown fox")
+    got = generate(model, draft, tokenizer, ids, max_tokens=24, block_size=BLOCK, tree_budget=8).tokens
+    assert got == greedy_reference(model, ids, 24)
+
+
+class FlatProposer(DFlash2Proposer):
+    """The real proposer with its logits flattened, so that the transition
+    term decides the rankings (the tiny target's logits would drown it)."""
+
+    def _rows(self, y, block_size):
+        hidden, logits = super()._rows(y, block_size)
+        return hidden, logits * 0.01
+
+
+def test_the_tree_follows_the_selector(loaded):
+    """Each node's children are the best of its depth's candidates ranked by
+    the transition from the node's own token, so the tree's chain of best
+    children is the selector's greedy walk; steered drafts are accepted along it."""
+    from dflash_mlx.tree import TreeDecoder
+    from dflash_mlx.tree.build import build_transition_tree
+
+    model, tokenizer, draft = loaded["qwen3_5"]
+    target = Target(model)
+    prompt = tokenizer.encode("the quick brown fox")
+    proposer = FlatProposer(draft, target)
+    proposer.observe(mx.random.normal((1, len(prompt), 2 * target.hidden_size), key=mx.random.key(0)), None)
+    y = mx.array([prompt[-1]])
+    candidates, logprobs = proposer.tree_candidates(y, BLOCK)
+    walk, _ = proposer.draft_block(y, BLOCK, BlockSampler(SamplingParams()))
+    C, L = candidates.tolist(), logprobs.tolist()
+    tree = build_transition_tree(y.item(), C, L, 40)
+    kids = tree.children()
+    rankings = set()
+    for node in range(len(tree)):
+        d = tree.depths[node]
+        if not kids[node]:
+            continue
+        slot = 0 if d == 0 else C[d - 1].index(tree.tokens[node])
+        ranking = sorted(C[d], key=lambda t: -L[d][slot][C[d].index(t)])
+        assert list(kids[node]) == ranking[: len(kids[node])], "children are not the node's best candidates"
+        rankings.add(tuple(ranking))
+    assert len(rankings) > 2, "the parents' rankings must differ for this to bite"
+    node, chain = 0, []
+    while kids[node]:
+        best = next(iter(kids[node]))
+        chain.append(best)
+        node = kids[node][best]
+    assert len(chain) >= 3 and chain == walk.tolist()[: len(chain)]
+
+    continuation = greedy_reference(model, prompt, 3 * BLOCK + 2)
+    steered = SteeredProposer(draft, target, len(prompt), continuation, None)
+    decoder = TreeDecoder(target, steered, draft.config.target_layer_ids, BLOCK, 8)
+    out = [decoder.prefill(mx.array(prompt))]
+    for _ in range(2):
+        cycle = decoder.cycle()
+        assert cycle.accepted == BLOCK - 1
+        out += cycle.tokens
+    assert out == continuation[: len(out)]
 
 
 def test_the_registry_pairs_qwen3_8_with_its_dflash2_draft():
@@ -158,19 +215,16 @@ def test_the_registry_pairs_qwen3_8_with_its_dflash2_draft():
         assert find_draft(name) == "z-lab/Qwen3.8-27B-DFlash2"
 
 
-def test_the_cli_generates_with_a_dflash2_draft_and_refuses_its_tree(target_dirs, dflash2_dirs):
+def test_the_cli_generates_with_a_dflash2_draft(target_dirs, dflash2_dirs):
     from typer.testing import CliRunner
 
     from dflash_mlx.cli import app
 
     target, draft = str(target_dirs["qwen3"]), str(dflash2_dirs["qwen3", "hf"])
-    common = ["generate", "--model", target, "--draft", draft, "--prompt", "the quick brown fox",
-              "--max-tokens", "16", "--no-chat-template"]
-    result = CliRunner().invoke(app, common + ["--block-size", "4"])
-    assert result.exit_code == 0, result.stderr
     model, tokenizer = mlx_lm_load(target)
-    want = greedy_reference(model, tokenizer.encode("the quick brown fox"), 16)
-    assert result.stdout.strip() == tokenizer.decode(want).strip()
-    refused = CliRunner().invoke(app, common + ["--tree-budget", "4"])
-    lines = refused.stderr.strip().splitlines()
-    assert refused.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error: ") and "DFlash2" in lines[0]
+    want = tokenizer.decode(greedy_reference(model, tokenizer.encode("the quick brown fox"), 16)).strip()
+    for extra in (["--block-size", "4"], ["--tree-budget", "4"]):
+        result = CliRunner().invoke(app, ["generate", "--model", target, "--draft", draft, "--prompt",
+                                          "the quick brown fox", "--max-tokens", "16", "--no-chat-template", *extra])
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout.strip() == want

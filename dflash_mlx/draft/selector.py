@@ -76,6 +76,19 @@ class CandidateSelector(nn.Module):
         return drafted, scatter(candidates, mx.stack(rows), V)
 
 
+    def transitions(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> tuple[mx.array, mx.array]:
+        """(C [n, k], log-probs [n, k, k]) for a tree: entry [j, s, c] is
+        log softmax_c s_j(c) after the parent in slot s of C_{j-1} (row 0: after
+        the anchor, the same in every slot)."""
+        candidates, unary, edges = self.prepare(hidden, logits)
+        k = candidates.shape[1]
+        parents = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, k)).astype(candidates.dtype),
+                                  candidates[:-1]])
+        P = self.predecessor_codebook(parents).astype(mx.float32)  # [n, k parents, R]
+        scores = unary[:, None, :] + P @ edges.transpose(0, 2, 1)
+        return candidates, scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+
+
 def scatter(candidates: mx.array, logq: mx.array, vocab_size: int) -> mx.array:
     """Log-probabilities over C [n, k] as rows over the vocabulary [n, V] (-inf outside C)."""
     q = mx.full((candidates.shape[0], vocab_size), -mx.inf, dtype=mx.float32)

@@ -8,6 +8,9 @@ device, sorted, and a heap on the host pops the best open prefix, then pushes
 its next sibling (same parent, next-ranked token) and its first child (one
 position deeper, top-ranked token). Both score no higher than the popped node,
 so pops come out in score order and every node's parent is popped before it.
+A DFlash2 draft's candidates depend on the parent's token (its selector's
+transitions): ``build_transition_tree`` runs the same heap with each node's
+children ranked by the row for that token.
 
 Index 0 of a ``Tree`` is the root: the pending token y (already chosen, not
 drafted). Nodes 1..n follow in pop order, so parents precede children.
@@ -58,22 +61,49 @@ def top_candidates(logprobs: mx.array, budget: int) -> tuple[mx.array, mx.array]
 def build_tree(root: int, values: list[list[float]], tokens: list[list[int]], budget: int) -> Tree:
     """The ``budget`` best prefixes under per-position ranked candidates
     (``values[d][r]`` the log-prob of ``tokens[d][r]``, descending in r)."""
+    slots = [list(range(len(v))) for v in values]
+    return _best_first(root, len(values), lambda d, parent_slot: (values[d], tokens[d], slots[d]), budget)
+
+
+def build_transition_tree(root: int, candidates: list[list[int]], logprobs: list[list[list[float]]],
+                          budget: int) -> Tree:
+    """The ``budget`` best prefixes when a node's children depend on its token
+    (DFlash2's selector): ``candidates[d]`` are depth d+1's k tokens and
+    ``logprobs[d][s][c]`` the log-prob of candidate c after the parent in slot s
+    of ``candidates[d-1]`` (any s at d = 0: the root)."""
+    ranked = {}
+
+    def rank(d: int, parent_slot: int):
+        if (d, parent_slot) not in ranked:
+            row = logprobs[d][parent_slot]
+            order = sorted(range(len(row)), key=lambda c: -row[c])
+            ranked[d, parent_slot] = [row[c] for c in order], [candidates[d][c] for c in order], order
+        return ranked[d, parent_slot]
+
+    return _best_first(root, len(candidates), rank, budget)
+
+
+def _best_first(root: int, depth_limit: int, rank, budget: int) -> Tree:
+    """Best-first over prefixes; ``rank(d, parent_slot)`` gives depth d+1's
+    candidates after a parent in that slot: (log-probs descending, tokens, slots)."""
     tree = Tree([root], [-1], [0])
-    depth_limit, k = len(values), len(values[0]) if values else 0
-    # entries: (-score, tie-break counter, depth index, rank, parent, parent's score)
-    heap = [(-values[0][0], 0, 0, 0, 0, 0.0)] if depth_limit and k else []
+    first = rank(0, 0)[0] if depth_limit else []
+    # entries: (-score, tie-break counter, depth index, rank, parent, parent's score, parent's slot)
+    heap = [(-first[0], 0, 0, 0, 0, 0.0, 0)] if first else []
     pushed = 1
     while heap and len(tree) <= budget:
-        neg, _, d, r, parent, base = heapq.heappop(heap)
+        neg, _, d, r, parent, base, parent_slot = heapq.heappop(heap)
+        values, tokens, slots = rank(d, parent_slot)
         score, node = -neg, len(tree)
-        tree.tokens.append(tokens[d][r])
+        tree.tokens.append(tokens[r])
         tree.parents.append(parent)
         tree.depths.append(d + 1)
-        if r + 1 < k:
-            heapq.heappush(heap, (-(base + values[d][r + 1]), pushed, d, r + 1, parent, base))
+        if r + 1 < len(values):
+            heapq.heappush(heap, (-(base + values[r + 1]), pushed, d, r + 1, parent, base, parent_slot))
             pushed += 1
         if d + 1 < depth_limit:
-            heapq.heappush(heap, (-(score + values[d + 1][0]), pushed, d + 1, 0, node, score))
+            child = rank(d + 1, slots[r])[0]
+            heapq.heappush(heap, (-(score + child[0]), pushed, d + 1, 0, node, score, slots[r]))
             pushed += 1
     return tree
 

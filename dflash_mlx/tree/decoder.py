@@ -1,7 +1,8 @@
 """The DDTree cycle: draft a tree, verify it in one target pass, walk, commit.
 
 Beside the chain (``decoder.SpeculativeDecoder``, whose prefill and bookkeeping
-it reuses): the proposer's b-1 per-position distributions become a tree of up
+it reuses): the proposer's b-1 per-position distributions (a DFlash2
+proposer's selector transitions, ``tree_candidates``) become a tree of up
 to ``budget`` nodes (``build.py``); the root y and the nodes run through the
 target as one flat sequence (``tree_forward``), each attention layer with the
 tree's mask and per-node RoPE positions (``attention.py``), a quantized
@@ -33,7 +34,7 @@ from ..sampling import BlockSampler
 from ..target import Attention, Forward, GatedDelta, Target
 from . import gated_delta
 from .attention import check_rope, compact, positioned, tree_mask
-from .build import Tree, build_tree, top_candidates, walk
+from .build import Tree, build_transition_tree, build_tree, top_candidates, walk
 
 
 def check_tree_target(target: Target) -> None:
@@ -107,11 +108,16 @@ class TreeDecoder(SpeculativeDecoder):
         check_tree_target(target)
         super().__init__(target, proposer, layer_ids, block_size, prefill_step_size, sampler, cache, tokens)
         self.budget = budget
-        self.candidates: Optional[tuple[mx.array, mx.array]] = None
+        self.candidates: Optional[tuple[mx.array, mx.array]] = None  # what self.build makes the tree of
+        self.build = build_tree
 
     def _queue_draft(self) -> None:
-        logits = self.proposer.propose(self.pending, self.block_size)
-        self.candidates = top_candidates(logits, self.budget)
+        own = getattr(self.proposer, "tree_candidates", None)  # children that depend on their parent
+        if own:
+            self.build, self.candidates = build_transition_tree, own(self.pending, self.block_size)
+        else:
+            logits = self.proposer.propose(self.pending, self.block_size)
+            self.build, self.candidates = build_tree, top_candidates(logits, self.budget)
         mx.async_eval(self.candidates)
 
     def _process(self, logits: mx.array, tree: Tree) -> mx.array:
@@ -133,8 +139,7 @@ class TreeDecoder(SpeculativeDecoder):
 
     def cycle(self) -> Cycle:
         """One draft-tree + verify + walk + commit cycle; returns the committed tokens."""
-        values, tokens = self.candidates
-        tree = build_tree(self.pending.item(), values.tolist(), tokens.tolist(), self.budget)
+        tree = self.build(self.pending.item(), *(c.tolist() for c in self.candidates), self.budget)
         offset = context_length(self.target, self.cache)
         out = tree_forward(self.target, tree, self.cache, self.layer_ids)
         logits = self._process(self.target.logits(out.hidden)[0], tree)
