@@ -151,6 +151,9 @@ def test_tree_decoding_with_dflash2_is_mlx_lm_greedy(loaded, family):
     ids = tokenizer.encode("the quick brown fox")
     got = generate(model, draft, tokenizer, ids, max_tokens=24, block_size=BLOCK, tree_budget=8).tokens
     assert got == greedy_reference(model, ids, 24)
+    sampled = lambda seed: generate(model, draft, tokenizer, ids, max_tokens=16, block_size=BLOCK, tree_budget=8,
+                                    temperature=1.0, seed=seed).tokens
+    assert sampled(1) == sampled(1) and len(sampled(1)) == 16 and sampled(1) != sampled(2)
 
 
 class FlatProposer(DFlash2Proposer):
