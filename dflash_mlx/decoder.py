@@ -38,15 +38,24 @@ class Proposer(Protocol):
 
 class DraftProposer:
     """Proposes with a DFlash draft that borrows the target's embedding and head
-    (or, given ``head``, the head over a reduced vocabulary: ``draft/vocab.py``)."""
+    (or, given ``head``, the head over a reduced vocabulary: ``draft/vocab.py``).
+
+    The draft sees embeddings and logits as the target's own pass makes them
+    (Gemma 4 scales the one and soft-caps the other), except where its config
+    gives its own ``input_embedding_scale`` or logit scaling: the draft then
+    applies that to the table's rows or the head's raw output instead, so no
+    scale or cap is applied twice."""
 
     def __init__(self, draft: DFlashDraft, target: Target, cache: Optional[list] = None,
                  head: Optional[Callable[[mx.array], mx.array]] = None):
+        config = draft.config
         self.draft = draft
         self.target = target
         self.cache = draft.make_cache() if cache is None else cache
-        self.mask_token_id = draft.config.mask_token_id
-        self.head = head or target.logits
+        self.mask_token_id = config.mask_token_id
+        self.embed = target.embed_rows if config.input_embedding_scale != 1.0 else target.embed
+        own_scaling = config.final_logit_softcapping is not None or config.output_multiplier != 1.0
+        self.head = head or (target.head_logits if own_scaling else target.logits)
 
     def observe(self, features: mx.array, tokens: mx.array) -> None:
         self.draft.inject(features, self.cache)
@@ -58,7 +67,7 @@ class DraftProposer:
         """The draft's normed hidden states [b-1, H] of block rows 1..b-1 after y."""
         masks = mx.full((block_size - 1,), self.mask_token_id, dtype=y.dtype)
         block = mx.concatenate([y, masks])[None]
-        return self.draft(self.target.embed(block), self.cache)[0, 1:]
+        return self.draft(self.embed(block), self.cache)[0, 1:]
 
 
 class DFlash2Proposer(DraftProposer):

@@ -155,3 +155,30 @@ def test_tree_generation_is_mlx_lm_greedy_output(gemma):
     ids = tokenizer.encode(PROMPT)
     res = generate(model, draft, tokenizer, PROMPT, max_tokens=32, block_size=8, tree_budget=8)
     assert_same_or_near_tie(model, ids, res.tokens, greedy_reference(model, ids, 32))
+
+
+def test_a_draft_config_that_names_the_scale_and_cap_gets_them_once(gemma, draft_dir, tmp_path):
+    """A Gemma 4 draft config carrying ``final_logit_softcapping`` 30 (as the
+    published drafts do) and ``input_embedding_scale`` sqrt(H): the draft applies
+    them to the table's rows and the head's raw output, so its logits are the
+    same single scale and single cap as a draft that names neither."""
+    import json
+    import shutil
+
+    model, tokenizer, plain = gemma["gemma4"]
+    target = Target(model)
+    source = draft_dir("gemma4", block_size=16, layer_types=["sliding_attention", "full_attention"],
+                       sliding_window=5, target_layer_ids=[1, 4])
+    shutil.copytree(source, tmp_path / "named")
+    config = json.loads((tmp_path / "named" / "config.json").read_text())
+    config["dflash_config"].update(final_logit_softcapping=30.0, input_embedding_scale=math.sqrt(target.hidden_size))
+    (tmp_path / "named" / "config.json").write_text(json.dumps(config))
+    named = load_draft(str(tmp_path / "named"))
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    features = target.forward(prompt[None], target.make_cache(), plain.config.target_layer_ids).features
+    logits = []
+    for draft in (plain, named):
+        proposer = DraftProposer(draft, target)
+        proposer.observe(features, prompt)
+        logits.append(proposer.propose(mx.array([17]), 8))
+    assert mx.allclose(logits[0], logits[1], rtol=1e-5, atol=1e-4).item()

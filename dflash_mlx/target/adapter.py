@@ -145,13 +145,22 @@ class Target:
         features = mx.concatenate([wanted[i] for i in layer_ids], axis=-1)
         return Forward(self.inner.norm(h), features, records if record else None)
 
+    def embed_rows(self, tokens: mx.array) -> mx.array:
+        """The embedding table's rows, before any scale the model's pass applies
+        (for a draft whose config gives its own ``input_embedding_scale``)."""
+        return self.inner.embed_tokens(tokens)
+
+    def head_logits(self, hidden: mx.array) -> mx.array:
+        """The head's output, before any soft cap the model applies (for a draft
+        whose config gives its own ``final_logit_softcapping``)."""
+        if isinstance(self.head_module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            return quantized_matmul(hidden, self.head_module)
+        return self.lm_head(hidden)
+
     def logits(self, hidden: mx.array) -> mx.array:
         """The model's logits from final-normed hidden states (soft-capped where
         the model caps them), for verification and for the draft."""
-        out = None
-        if isinstance(self.head_module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            out = quantized_matmul(hidden, self.head_module)
-        return self.stack.finish_logits(self.lm_head(hidden) if out is None else out)
+        return self.stack.finish_logits(self.head_logits(hidden))
 
     def rollback(self, cache: list, forward: Forward, keep: int) -> None:
         """Leave ``cache`` exactly as if only the first ``keep`` tokens of the

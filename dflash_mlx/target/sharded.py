@@ -37,8 +37,8 @@ class TensorParallelTarget(Target):
         text = getattr(model, "language_model", model)
         self.head_group = getattr(text, "sharding_group", None)  # set when the head is split over the vocabulary
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        out = super().logits(hidden)
+    def head_logits(self, hidden: mx.array) -> mx.array:
+        out = super().head_logits(hidden)
         return out if self.head_group is None else gather_last_axis(out, self.head_group)
 
 
