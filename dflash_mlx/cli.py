@@ -40,6 +40,8 @@ GENERATE_FLAGS = {
 MAX_TOKENS = 256  # generate's default
 DEMO_MAX_TOKENS = 128  # the demo pair's: a tiny model's text is worth reading only so far
 DEMO_STOPS = ("\n\n\n", "\n\ndef ", "\n\nclass ", "\n\n@", "\n\nif ")  # its first top-level block ends
+DRAFT_DTYPE_HELP = ("Dtype the draft computes in: auto (float32 on M1/M2, which emulate bfloat16; else the "
+                    "checkpoint's), keep, float32, bfloat16 or float16. `dflash-mlx doctor` shows the choice.")
 THINKING_HELP = ("Pass enable_thinking=True/False to the chat template. Default: the registry's "
                  "choice for the pair (what its draft was trained on), else the template's own.")
 
@@ -146,6 +148,7 @@ def generate(
         None, "--distributed", help="tensor or pipeline: shard the target over the processes mlx.launch started "
                                     "(docs/distributed.md); only rank 0 prints.",
     ),
+    draft_dtype: str = typer.Option("auto", "--draft-dtype", help=DRAFT_DTYPE_HELP),
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
     demo = model is None  # the bundled pair (without --draft; resolve_pair below checks that)
@@ -159,9 +162,11 @@ def generate(
     try:
         from . import validate
         from .draft import DraftConfig
+        from .precision import choose_draft_dtype
         from .registry import read_config, resolve_pair
 
         validate.options(options, GENERATE_FLAGS)
+        choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
         tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
         block_size = validate.block_option(block_size, "--block-size")
         text = _read_prompt(prompt)
@@ -187,17 +192,18 @@ def generate(
 
         with session(distributed) as launch:
             _run(pair.target, pair.draft, text, chat, stop, demo if show_drafts is None else show_drafts, no_color,
-                 launch, block_size=block_size, tree_budget=tree_budget, **options)
+                 launch, draft_dtype, block_size=block_size, tree_budget=tree_budget, **options)
     except DFlashError as e:
         _fail(str(e))
 
 
 def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: list[str],
-         show_drafts: bool, no_color: bool, launch=None, **options) -> None:
+         show_drafts: bool, no_color: bool, launch=None, draft_dtype: str = "auto", **options) -> None:
     """Load the pair, template the prompt (``chat``: apply_template's options, or
     None for the text as is) and stream the output up to the first of ``stops``,
     styled by origin when ``show_drafts`` and stdout shows colors; the figures
-    go to stderr. ``launch``: this rank of a distributed launch (``distributed.Launch``)."""
+    go to stderr. ``launch``: this rank of a distributed launch (``distributed.Launch``);
+    ``draft_dtype``: ``--draft-dtype``."""
     from .chat import apply_template, has_template, thinking_note
     from .display import LEGEND, Output, Tally, styled_console
     from .generate import stream_generate
@@ -205,7 +211,7 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: l
     from .validate import UntrainedBlockWarning
 
     model, tokenizer = launch.load(model_id) if launch else load(model_id)
-    draft = load_draft(draft_id)
+    draft = load_draft(draft_id, dtype=draft_dtype)
     note = None
     if chat is not None:  # without a template, apply_template joins the messages (as the server does)
         text = apply_template(tokenizer, text, **chat)
@@ -232,16 +238,24 @@ def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: l
 
 @app.command()
 def models():
-    """List the known target -> draft pairs used when --draft is not given."""
-    from .registry import KNOWN_PAIRS
+    """List the known target -> draft pairs (used when --draft is not given), their
+    sizes and whether they fit this machine, and the drafts whose targets cannot run."""
+    from .precision import device_description
+    from .registry import BITS, listing, memory_budget
 
-    mode = {None: "template default", True: "thinking", False: "no thinking"}
-    width = max(map(len, KNOWN_PAIRS))
-    draft_width = max(len(d.repo) for d in KNOWN_PAIRS.values())
-    for target, draft in KNOWN_PAIRS.items():
-        typer.echo(f"{target:<{width}}  {draft.repo:<{draft_width}}  {mode[draft.enable_thinking]}")
-    typer.echo("\nmlx-community/<name>-4bit / -8bit targets use the draft of <name>. The last column is "
-               "the chat template's default thinking mode for the pair (--thinking / --no-thinking).")
+    budget = memory_budget(device_description())
+    pairs, others = listing(budget)
+    head = ["target", "draft", "thinking", "block", *(f"{b} GB" for b in BITS), "fits"]
+    for rows in ([head, *pairs], [["cannot run", "draft", "why"], *others]):
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        typer.echo("")
+    memory = f"{budget / 1e9:.0f} GB" if budget else "unknown"
+    typer.echo(f"Sizes: the target's weights (bf16; mlx-lm 8-/4-bit, group 64), drafts add 1-3 GB. fits: the widest "
+               f"that fits this machine's model memory ({memory}) with 10% spare. mlx-community/<name>-4bit / -8bit "
+               "targets use the draft of <name>. thinking: the chat template's default for the pair "
+               "(--thinking / --no-thinking); block: the draft's trained block size.")
 
 
 @app.command()

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from .block_policy import BlockPolicy, FixedBlock
 from .draft import DFlash2Draft, DFlashDraft
+from .errors import DFlashError
 from .sampling import BlockSampler, SamplingParams
 from .target import Target
 
@@ -75,9 +76,12 @@ class DFlash2Proposer(DraftProposer):
     its candidate selector's walk (``draft/selector.py``)."""
 
     def _rows(self, y: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
-        """(normed hidden [b-1, H], scaled logits [b-1, V]) of block rows 1..b-1."""
+        """(normed hidden [b-1, H], scaled logits [b-1, V]) of block rows 1..b-1;
+        ``finite`` becomes whether those logits are all finite (unevaluated)."""
         hidden = self.block_hidden(y, block_size)
-        return hidden, self.draft.scale_logits(self.head(hidden))
+        logits = self.draft.scale_logits(self.head(hidden))
+        self.finite = mx.isfinite(logits).all()
+        return hidden, logits
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
         return self._rows(y, block_size)[1]
@@ -102,10 +106,20 @@ def proposer_for(draft: DFlashDraft, target: Target, cache: Optional[list] = Non
 
 
 def propose_block(proposer: Proposer, y: mx.array, block_size: int, sampler: BlockSampler):
-    """(drafted [b-1] int32, q or None): the proposer's own choice where it
-    makes one, else the sampler's from its logits."""
+    """(drafted [b-1] int32, q or None, finite): the proposer's own choice where
+    it makes one, else the sampler's from its logits; ``finite`` is a scalar,
+    false when the draft's logits hold inf or NaN (a proposer that chooses its
+    own drafts says so in its ``finite`` after ``draft_block``; else true)."""
     own = getattr(proposer, "draft_block", None)
-    return own(y, block_size, sampler) if own else sampler.draft(proposer.propose(y, block_size))
+    if own:
+        drafted, q = own(y, block_size, sampler)
+        return drafted, q, getattr(proposer, "finite", mx.array(True))
+    logits = proposer.propose(y, block_size)
+    return *sampler.draft(logits), mx.isfinite(logits).all()
+
+
+NON_FINITE = ("the draft produced non-finite logits (inf or NaN), so generation stopped; "
+              "run it in float32 (--draft-dtype float32, or load_draft(..., dtype='float32'))")
 
 
 @dataclass
@@ -166,6 +180,7 @@ class SpeculativeDecoder:
         self.queued: Optional[mx.array] = None  # b = 1: the token after y, its step already queued
         self.unobserved: list[tuple[mx.array, mx.array]] = []  # plain steps' features and ids, not yet injected
         self.draft_logprobs: Optional[mx.array] = None  # q, when sampling
+        self.draft_finite = mx.array(True)  # whether the queued draft's logits were finite
 
     def _remember(self, tokens: list[int]) -> None:
         keep = self.sampler.params.context_size
@@ -194,10 +209,12 @@ class SpeculativeDecoder:
         self.block_size = self.policy.choose()
         if self.block_size == 1:  # speculation off: a plain target step, no draft pass
             self.drafted, self.draft_logprobs = self.no_draft
+            self.draft_finite = mx.array(True)
             return
         self.catch_up()
-        self.drafted, self.draft_logprobs = propose_block(self.proposer, self.pending, self.block_size, self.sampler)
-        mx.async_eval(self.drafted)
+        self.drafted, self.draft_logprobs, self.draft_finite = propose_block(
+            self.proposer, self.pending, self.block_size, self.sampler)
+        mx.async_eval(self.drafted, self.draft_finite)
 
     def _queue_next(self) -> None:
         # the next cycle's work, started while the host streams this cycle's text
@@ -250,7 +267,14 @@ class SpeculativeDecoder:
         history = mx.concatenate([mx.array(self.recent, dtype=mx.int32), block])
         logits = self.sampler.process(self.target.logits(out.hidden)[0], history)
         accepted, next_token = self.sampler.verify(logits, drafted, self.draft_logprobs)
-        mx.eval(accepted, next_token, drafted)  # the one sync of the cycle
+        mx.eval(accepted, next_token, drafted, self.draft_finite)  # the one sync of the cycle
+        if not self.draft_finite.item():
+            # drafts from NaN logits: keep only y (the target's own token, already
+            # emitted) so the caches stay consistent, and emit nothing chosen after it
+            self.target.rollback(self.cache, out, 1)
+            self.proposer.observe(out.features[:, :1], block[:1])
+            self.tokens.append(y.item())
+            raise DFlashError(NON_FINITE)
         a = accepted.item()
         self.policy.update(block.size, a)
         committed = block[: a + 1].tolist()

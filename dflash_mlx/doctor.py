@@ -1,7 +1,7 @@
 """``dflash-mlx doctor``: what this machine runs and why.
 
 Reports the platform, the MLX version and backend, whether Metal is available,
-each custom kernel's status (active, reference and why, or disabled by its
+the dtype drafts compute in, each custom kernel's status (active, reference and why, or disabled by its
 self-check), and on Linux which BLAS MLX's CPU backend is using, with how to
 get OpenBLAS when it is the slow reference one.
 """
@@ -87,6 +87,9 @@ def collect(check: bool = True) -> list[tuple[str, str]]:
             rows.append(("metal", "available"))
     else:
         rows.append(("metal", "not available (kernels use their pure-MLX references)"))
+    from .precision import choose_draft_dtype, device_description
+
+    rows.append(("draft dtype", f"{choose_draft_dtype(device_description())[1]} (override: --draft-dtype)"))
     forced = kernels.current_policy().forced
     if forced:
         rows.append((kernels.REFERENCE_ENV, "all" if kernels.registry.ALL in forced else ",".join(sorted(forced))))

@@ -13,6 +13,7 @@ from mlx_lm.utils import load_model
 from .draft import DFlashDraft, draft_classes
 from .draft import read_ranking
 from .errors import DFlashError
+from .precision import cast_draft, choose_draft_dtype, device_description
 
 DRAFT_FILES = ["*.json", "*.safetensors"]
 TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # no weights
@@ -68,10 +69,12 @@ def load(path_or_repo: str, lazy: bool = False) -> tuple[nn.Module, TokenizerWra
     return model, tokenizer
 
 
-def load_draft(path_or_repo: str, lazy: bool = False) -> DFlashDraft:
+def load_draft(path_or_repo: str, lazy: bool = False, dtype: str = "auto") -> DFlashDraft:
     """Load a DFlash draft (v1, or DFlash2 by its ``architectures``): the z-lab
     HF layout (either config dialect) or the MLX layout written by
-    ``dflash-mlx convert`` (optionally quantized)."""
+    ``dflash-mlx convert`` (optionally quantized). ``dtype``: what it computes
+    in (``precision.choose_draft_dtype``: auto is float32 on M1/M2)."""
+    cast_to, _ = choose_draft_dtype(device_description(), dtype)
     path = resolve(path_or_repo, "draft", DRAFT_FILES)
     if not (path / "config.json").is_file():
         raise DFlashError(f"draft directory '{path}' has no config.json")
@@ -91,4 +94,4 @@ def load_draft(path_or_repo: str, lazy: bool = False) -> DFlashDraft:
         model.vocab_ranking = read_ranking(path)
     except DFlashError as e:  # only a reduced drafting vocabulary needs it: raised then (subset_head)
         model.vocab_ranking = e
-    return model
+    return cast_draft(model, cast_to)
