@@ -28,21 +28,25 @@ def apply_template(
     system: Optional[str] = None,
     enable_thinking: Optional[bool] = None,
     add_generation_prompt: bool = True,
+    tools: Optional[list[dict]] = None,
+    tool_choice: Union[str, dict, None] = None,
 ) -> str:
     """The conversation as text through the tokenizer's chat template.
 
     ``prompt`` is the user's text or a list of ``{"role", "content"}`` messages;
     ``system`` puts a system message first. ``enable_thinking`` reaches the
     template only when not None (templates without a thinking switch ignore it;
-    None keeps the template's default). Without a chat template the message
-    contents are joined by newlines.
+    None keeps the template's default). ``tools`` (OpenAI function schemas)
+    and ``tool_choice`` reach the template likewise, only when given. Without
+    a chat template the message contents are joined by newlines.
     """
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
     if not has_template(tokenizer):
         return "\n".join(str(m.get("content", "")) for m in messages)
-    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    given = {"enable_thinking": enable_thinking, "tools": tools, "tool_choice": tool_choice}
+    extra = {k: v for k, v in given.items() if v is not None}
     return tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
     )

@@ -3,6 +3,7 @@
 ``command`` loads the pair and runs uvicorn; ``app`` holds the routes,
 ``schemas`` the request bodies, ``prompts`` turns them into token ids,
 ``engine`` runs requests one at a time on the MLX worker thread, ``stops``
-cuts the text at stop strings and ``prefix_cache`` reuses the caches of
+cuts the text at stop strings, ``parts`` splits a chat reply into answer,
+reasoning and tool calls and ``prefix_cache`` reuses the caches of
 earlier requests whose prompts the new one extends.
 """

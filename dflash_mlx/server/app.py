@@ -2,9 +2,10 @@
 
 ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` and
 ``POST /v1/completions``, streamed as server-sent events (sse-starlette,
-ending with ``data: [DONE]``) or not. Every request is checked before it is
-queued, so bad input gets a 4xx with an OpenAI-shaped error and never reaches
-the worker. Prompts are tokenized on a thread of their own, so a long one never
+ending with ``data: [DONE]``) or not. A chat reply comes split into
+``content``, ``reasoning_content`` and ``tool_calls`` (``parts``). Every
+request is checked before it is queued, so bad input gets a 4xx with an
+OpenAI-shaped error and never reaches the worker. Prompts are tokenized on a thread of their own, so a long one never
 holds up the event loop. A client that goes away cancels its request; when the
 server shuts down, every request in flight ends with a 503 error (streamed as
 a last event before ``[DONE]``).
@@ -29,6 +30,7 @@ from ..errors import DFlashError
 from ..sampling import SamplingParams
 from . import engine as eng
 from .errors import APIError
+from .parts import ReplySplitter
 from .prompts import chat_ids, completion_ids, unicode_text
 from .schemas import ChatRequest, CompletionRequest, Sampling
 
@@ -149,12 +151,12 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         ids = await _tokenized(chat_ids, engine.tokenizer, _checked(body), settings.enable_thinking)
-        return await _complete(body, ids, request, chat=True)
+        return await _complete(body, ids, request, ReplySplitter(engine.tokenizer, ids, body.tools))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         ids = await _tokenized(completion_ids, engine.tokenizer, _checked(body), engine.vocab_size)
-        return await _complete(body, ids, request, chat=False)
+        return await _complete(body, ids, request, None)
 
     async def _tokenized(prompt_ids, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(tokenizing, prompt_ids, *args)
@@ -165,7 +167,8 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             raise APIError(400, problem[1], problem[0], "unsupported_value")
         return body
 
-    async def _complete(body: Sampling, ids: list[int], request: Request, chat: bool):
+    async def _complete(body: Sampling, ids: list[int], request: Request, splitter: Optional[ReplySplitter]):
+        """Run the request; a chat one (with a ``splitter``) replies in parts."""
         job_request = eng.Request(
             prompt=ids,
             max_tokens=_max_tokens(body, len(ids), settings, engine.context_length),
@@ -178,7 +181,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             raise APIError(429, str(e), code="queue_full") from None
         except eng.ShuttingDown as e:
             raise APIError(503, str(e), code="server_shutting_down") from None
-        reply = Reply(settings.model_name, chat)
+        reply = Reply(settings.model_name, splitter)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             # on shutdown the stream gets a moment to send its error event and [DONE]
@@ -191,11 +194,16 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
                 yield reply.chunk({"role": "assistant", "content": ""})
             async for event in job.stream():
                 if isinstance(event, eng.Delta):
-                    yield reply.chunk({"content": event.text} if reply.chat else event.text)
+                    if not reply.chat:
+                        yield reply.chunk(event.text)
+                    elif parts := reply.splitter.feed(event.text):
+                        yield reply.chunk(parts.delta())
                 elif isinstance(event, eng.Failed):
                     yield {"data": json.dumps(APIError(event.status, event.message, code=event.code).body())}
                 else:
-                    yield reply.chunk({} if reply.chat else "", event.finish_reason)
+                    if reply.chat and (parts := reply.splitter.finish()):
+                        yield reply.chunk(parts.delta())
+                    yield reply.chunk({} if reply.chat else "", reply.finish_reason(event.finish_reason))
                     if include_usage:
                         yield reply.usage_chunk(event.usage)
             yield {"data": "[DONE]"}
@@ -227,12 +235,17 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
 
 
 class Reply:
-    """Response and chunk bodies of one chat or text completion."""
+    """Response and chunk bodies of one chat (with the splitter of its text)
+    or text completion."""
 
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat = model, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    def __init__(self, model: str, splitter: Optional[ReplySplitter]):
+        self.model, self.splitter, self.chat = model, splitter, splitter is not None
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+
+    def finish_reason(self, reason: str) -> str:
+        """``tool_calls`` for a chat that ended by itself after calling a tool."""
+        return "tool_calls" if reason == "stop" and self.chat and self.splitter.calls else reason
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -252,8 +265,14 @@ class Reply:
 
     def whole(self, text: str, finish_reason: str, usage: eng.Usage) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
+            parts = self.splitter.feed(text) + self.splitter.finish()
+            message = {"role": "assistant", "content": parts.content or (None if parts.tool_calls else "")}
+            if parts.reasoning:
+                message["reasoning_content"] = parts.reasoning
+            if parts.tool_calls:
+                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in parts.tool_calls]
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": self.finish_reason(finish_reason)}
             return self._base("chat.completion") | {"choices": [choice], "usage": usage.to_dict()}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return self._base("text_completion") | {"choices": [choice], "usage": usage.to_dict()}

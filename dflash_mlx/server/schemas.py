@@ -1,7 +1,6 @@
 """Request bodies of the OpenAI-compatible routes (pydantic).
 
-Unknown fields are ignored (clients send ``user``, ``stream_options``,
-``tools``...); known fields with values this server cannot honour are
+Unknown fields are ignored (clients send ``user``, ``parallel_tool_calls``...); known fields with values this server cannot honour are
 rejected by ``unsupported()`` with a message naming the field.
 """
 
@@ -23,9 +22,23 @@ class TextPart(Body):
     text: Optional[str] = None
 
 
+class FunctionCall(Body):
+    name: str
+    arguments: Union[str, dict] = "{}"  # a JSON object, as OpenAI sends it: a string
+
+
+class ToolCall(Body):
+    id: Optional[str] = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # the call a tool result answers
+    name: Optional[str] = None
 
 
 class Sampling(Body):
@@ -68,6 +81,8 @@ class ChatRequest(Sampling):
     response_format: Optional[dict] = None
     enable_thinking: Optional[bool] = None
     chat_template_kwargs: Optional[dict] = None
+    tools: Optional[list[dict]] = None  # OpenAI function schemas, handed to the chat template
+    tool_choice: Union[str, dict, None] = None
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         if self.logprobs:
