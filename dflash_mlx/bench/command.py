@@ -9,7 +9,7 @@ from typing import Callable, Optional
 from .. import validate
 from ..chat import has_template, thinking_note
 from ..cost_curve import cost_curve
-from ..draft import DraftConfig
+from ..draft import DraftConfig, is_dflash2
 from ..errors import DFlashError
 from ..registry import read_config, resolve_pair
 from ..target import Target
@@ -139,7 +139,8 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     out = out or console()
     chosen = select_prompts(prompts, categories, limit)
     pair = resolve_pair(model, draft)
-    trained = DraftConfig.from_dict(read_config(pair.draft, "draft")).block_size
+    draft_config = read_config(pair.draft, "draft")
+    trained = DraftConfig.from_dict(draft_config).block_size
     warn = lambda message: err.print(f"warning: {message}", markup=False, highlight=False)  # noqa: E731
     block_sizes = [validate.block_size(b, trained, "--block-size", warn) for b in block_sizes or [validate.AUTO]]
     tree_block = None
@@ -179,7 +180,8 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
               "repeat": repeat, **sampling, "dtype": "checkpoint" if dtype == "keep" else dtype,
               "chat_template": chat_template, "enable_thinking": thinking, "prompts": prompts,
               "categories": categories, "limit": limit, "warmup": warmup,
-              "draft_trained_block_size": trained, "draft_vocab": draft_vocab}
+              "draft_trained_block_size": trained, "draft_vocab": draft_vocab,
+              "draft_architecture": "dflash2" if is_dflash2(draft_config) else "v1"}
     report = make_report(result, config, machine_info())
     validate_report(report)
     render(report, out)

@@ -10,6 +10,11 @@ a pessimistic bound, their sum (``serial``: no overlap of memory and compute).
   the target's LM head, which the draft borrows, for b-1 logits rows; the
   injection of the tau new context positions) plus one target pass over b tokens.
 - It emits tau tokens, so speedup = tau * t_step / (t_draft + t_verify).
+- A DFlash2 draft's pass also runs its candidate selector over the b-1 rows:
+  a top-k over each row's V logits, gathers of k + 1 codebook rows of rank R
+  per row (the codebooks are never read whole) and the walk's scoring
+  (``DraftProfile.selector``); its conv-wrapped layers are priced like any
+  weights (the kernel projections as matmuls, the taps as 2 FLOPs each a token).
 - A DDTree cycle of budget B drafts the same b-token block, then verifies the
   pending token and the B nodes in one target pass over B+1 positions (B+1
   logits rows). Its GatedDeltaNet kernel (``gdn_tree_verify``) steps each
@@ -30,7 +35,8 @@ Sizes come from the configs alone: the mlx-lm model class (and the DFlash draft
 class) is built with lazy, never-evaluated parameters and every tensor's shape
 is counted, quantized ones at bits/8 plus one scale and one bias per group.
 
-Not modelled: kernel launch and host synchronization per pass, attention and
+Not modelled: kernel launch and host synchronization per pass (and the
+selector walk's b-1 dependent steps), attention and
 recurrence kernels below peak, the lower efficiency of small matmuls, and the
 tree's construction on the host; docs/benchmarks.md ("Predicted speedup") compares
 the result with published measurements.
@@ -107,26 +113,48 @@ class TargetProfile:
 
 @dataclass
 class DraftProfile:
-    """Per-cycle costs of a DFlash draft (it borrows the target's embedding and LM head)."""
+    """Per-cycle costs of a DFlash draft (it borrows the target's embedding and LM head);
+    a DFlash2 draft (``selector_top_k`` > 0) adds its candidate selector."""
 
     params: int
-    layer_bytes: float  # every draft weight
+    layer_bytes: float  # every draft weight a pass reads whole (not a DFlash2 draft's codebooks)
     layer_flops: float  # per block token
     inject_flops: float  # per injected context position (fc, then K/V of every layer)
     kv_bytes_per_pos: float
     attn_flops_per_pos: float
     window: Optional[int] = None  # sliding window of the sliding layers, if all are sliding
     weight_bytes: float = 0.0
+    architecture: str = "v1"  # or "dflash2"
+    vocab: int = 0
+    selector_top_k: int = 0
+    selector_rank: int = 0
+    selector_flops: float = 0.0  # per drafted row: hidden_projection
+    codebook_row_bytes: float = 0.0  # one row of one codebook, as stored
+    logit_bytes: float = 2.0
+
+    def selector(self, rows: int) -> Pass:
+        """The candidate selector over ``rows`` drafted rows: the top-k reads each
+        row's V logits (one comparison each); the walk gathers the k successor rows
+        and the previous token's predecessor row of R, and scores each candidate
+        (e_j * S[c], then its dot with P[prev]: 3kR)."""
+        if not self.selector_top_k:
+            return Pass(0.0, 0.0)
+        k, R = self.selector_top_k, self.selector_rank
+        nbytes = rows * (self.vocab * self.logit_bytes + (k + 1) * self.codebook_row_bytes)
+        flops = rows * (self.vocab + self.selector_flops + 3.0 * k * R)
+        return Pass(nbytes, flops)
 
     def forward(self, target: TargetProfile, block: int, context: int, inject: float,
                 head_share: float = 1.0) -> Pass:
         """One draft pass over ``block`` positions; ``head_share``: the fraction
         of the LM head's rows it multiplies by (a reduced drafting vocabulary)."""
         seen = context if self.window is None else min(context, self.window)
+        selector = self.selector(block - 1)
         nbytes = (self.layer_bytes + head_share * target.head_bytes + block * target.embed_row_bytes
-                  + self.kv_bytes_per_pos * (seen + inject))
+                  + self.kv_bytes_per_pos * (seen + inject) + selector.bytes)
         flops = (block * self.layer_flops + (block - 1) * head_share * target.head_flops
-                 + inject * self.inject_flops + block * self.attn_flops_per_pos * (seen + block))
+                 + inject * self.inject_flops + block * self.attn_flops_per_pos * (seen + block)
+                 + selector.flops)
         return Pass(nbytes, flops)
 
 
@@ -219,10 +247,13 @@ def target_profile(config: dict, dtype: Optional[str] = None) -> TargetProfile:
         else:
             dense_b += b
             dense_f += 2 * n if len(shape) >= 2 else 0
-        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
-            kv_dims += shape[0]
         if name.endswith("self_attn.k_proj.weight"):
+            # the cache holds K and V; a layer with K = V (no v_proj, Gemma 4's full
+            # layers) still caches its values apart
             attn_layers += 1
+            kv_dims += shape[0] * (1 + int(name.replace("k_proj", "v_proj") not in shapes))
+        if name.endswith("self_attn.v_proj.weight"):
+            kv_dims += shape[0]
         if name.endswith("linear_attn.A_log"):
             linear_layers += 1
     heads = int(text.get("num_attention_heads", 1))
@@ -242,33 +273,48 @@ def target_profile(config: dict, dtype: Optional[str] = None) -> TargetProfile:
 
 
 def draft_profile(config: dict, dtype: Optional[str] = None) -> DraftProfile:
-    """Costs of a DFlash draft from its config.json (either dialect)."""
-    from ..draft import SLIDING, DFlashDraft, DraftConfig
+    """Costs of a DFlash or DFlash2 draft from its config.json (either dialect)."""
+    from ..draft import SLIDING, DFlash2Config, draft_classes
 
-    cfg = DraftConfig.from_dict(config)
-    model = DFlashDraft(cfg)
+    network, parse = draft_classes(config)
+    cfg = parse.from_dict(config)
+    model = network(cfg)
     nbytes = _dtype_bytes(config, dtype)
     shapes, quantizable, _ = _lazy_modules(model)
     size = _sizer(config.get("quantization"), nbytes, quantizable)
-    layer_f = inject_f = 0.0
+    layer_f = inject_f = selector_f = codebook_b = 0.0
     for name, shape in shapes.items():
+        if name.startswith("candidate_selector."):
+            if name.endswith("_codebook.weight"):  # gathered by row, never read whole
+                codebook_b += size(name, shape)
+            elif len(shape) >= 2:
+                selector_f += 2 * math.prod(shape)
+            continue
         if len(shape) < 2:
             continue
         n = math.prod(shape)
         if name.startswith("fc."):
             inject_f += 2 * n
         else:
+            # a matmul weight: 2 FLOPs a token; a DFlash2 base_kernel [2, K, H]: its two
+            # convolutions' K taps per channel, a multiply and an add each, also 2 a token
             layer_f += 2 * n
             if name.endswith(("k_proj.weight", "v_proj.weight")):
                 inject_f += 2 * n
     kv = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers * nbytes
     all_sliding = cfg.layer_types and all(t == SLIDING for t in cfg.layer_types)
     total = sum(size(n, s) for n, s in shapes.items())
+    dflash2 = isinstance(cfg, DFlash2Config)
     return DraftProfile(
         params=int(sum(math.prod(s) for s in shapes.values())),
-        layer_bytes=total, layer_flops=layer_f, inject_flops=inject_f, kv_bytes_per_pos=kv,
+        layer_bytes=total - codebook_b, layer_flops=layer_f, inject_flops=inject_f, kv_bytes_per_pos=kv,
         attn_flops_per_pos=4.0 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers,
         window=int(cfg.sliding_window) if all_sliding else None, weight_bytes=total,
+        architecture="dflash2" if dflash2 else "v1", vocab=cfg.vocab_size,
+        selector_top_k=cfg.selector_top_k if dflash2 else 0,
+        selector_rank=cfg.selector_rank if dflash2 else 0,
+        selector_flops=selector_f, codebook_row_bytes=codebook_b / (2 * cfg.vocab_size),
+        logit_bytes=nbytes,
     )
 
 

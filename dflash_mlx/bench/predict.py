@@ -15,6 +15,8 @@ from .render import console
 from .report import read_report, write_json
 from .schedule import Arm
 
+ARCHITECTURES = {"v1": "DFlash (v1)", "dflash2": "DFlash2 (conv-wrapped layers, candidate selector)"}
+
 
 def _configs(model: Optional[str], draft: Optional[str], preset: Optional[str],
              measured: Optional[dict]) -> tuple[dict, dict, tuple[str, str], Optional[float], Optional[float]]:
@@ -67,8 +69,12 @@ def _print(out, rows: list[dict], arms: list[Arm], tp, dp, names: tuple[str, str
     rows_used, vocab = draft_vocab
     head = (f"the target's LM head, {gb(tp.head_bytes)}" if rows_used is None else
             f"{rows_used} of the LM head's {vocab} rows (--draft-vocab), {gb(tp.head_bytes * rows_used / vocab)}")
-    out.print(f"draft  {names[1]}: {dp.params / 1e9:.2f} B parameters, {gb(dp.weight_bytes)} "
-              f"(+ {head}, read every cycle)")
+    out.print(f"draft  {names[1]}: {ARCHITECTURES[dp.architecture]}, {dp.params / 1e9:.2f} B parameters, "
+              f"{gb(dp.weight_bytes)} (+ {head}, read every cycle)")
+    if dp.selector_top_k:
+        out.print(f"       its selector: top-{dp.selector_top_k} of each row's {dp.vocab} logits, rank "
+                  f"{dp.selector_rank} codebooks ({gb(2 * dp.vocab * dp.codebook_row_bytes)}, "
+                  f"{dp.selector_top_k + 1} rows gathered per drafted row), the walk")
     t = Table(title=f"predicted decode speed at {context} tokens of context"
                     + (" (M5 at the claimed Neural Accelerator rate)" if neural else ""))
     columns = ["chip", "GB/s", "TFLOPS", "arm", "tau", "mlx-lm tok/s", "DFlash tok/s", "speedup",
@@ -143,7 +149,7 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
         for b, s in usable.items():
             sources[b] = (s["tau"], b, s["position_acceptance"], f"measured ({results})")
     elif preset_tau is not None:
-        base = (preset_tau, 16, None, "preset")
+        base = (preset_tau, trained, None, "preset")
     else:
         raise DFlashError("--predict needs tau: give --tau T, --results BENCH.json or --preset NAME")
     if not 1.0 <= base[0] <= base[1]:
@@ -186,7 +192,8 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
     _print(out, rows, arms, tp, dp, names, context, neural, preset, published, (draft_vocab, vocab))
     report = {"schema": "dflash-mlx-predict", "schema_version": 1,
               "target": {"name": names[0], "params": tp.params, "weight_bytes": tp.weight_bytes},
-              "draft": {"name": names[1], "params": dp.params, "weight_bytes": dp.weight_bytes},
+              "draft": {"name": names[1], "architecture": dp.architecture, "params": dp.params,
+                        "weight_bytes": dp.weight_bytes, "selector_top_k": dp.selector_top_k or None},
               "context": context, "neural_accelerators": neural, "overhead_ms": overhead_ms,
               "draft_vocab": draft_vocab,
               "published_speedup": published, "predictions": rows,
