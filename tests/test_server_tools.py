@@ -107,8 +107,9 @@ def test_a_tool_result_turn_renders_through_the_template(client, tokenizer):
     assert second.choices[0].finish_reason == "tool_calls"
 
 
-def test_without_tools_a_call_stays_text(client):
-    reply = client.chat.completions.create(model="any", messages=ASK, max_tokens=32)
+@pytest.mark.parametrize("tools", [{}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_without_tools_a_call_stays_text(client, tools):
+    reply = client.chat.completions.create(model="any", messages=ASK, max_tokens=32, **tools)
     message = reply.choices[0].message
     assert message.content == ANSWER + "<tool_call>" + CALL_JSON + "</tool_call>"
     assert not message.tool_calls and reply.choices[0].finish_reason == "stop"

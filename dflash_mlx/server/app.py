@@ -151,7 +151,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         ids = await _tokenized(chat_ids, engine.tokenizer, _checked(body), settings.enable_thinking)
-        return await _complete(body, ids, request, ReplySplitter(engine.tokenizer, ids, body.tools))
+        return await _complete(body, ids, request, ReplySplitter(engine.tokenizer, ids, body.called_tools()))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

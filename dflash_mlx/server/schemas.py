@@ -98,6 +98,10 @@ class ChatRequest(Sampling):
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
 
+    def called_tools(self) -> Optional[list[dict]]:
+        """The tools whose calls are read from the reply: none with ``tool_choice: "none"``."""
+        return None if self.tool_choice == "none" else self.tools
+
     def template_kwargs(self) -> dict:
         kwargs = dict(self.chat_template_kwargs or {})
         if self.enable_thinking is not None:
