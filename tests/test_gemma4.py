@@ -9,12 +9,10 @@ import math
 import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_lm_load
-from test_loop import (
-    OracleProposer, assert_caches_identical, assert_same_or_near_tie, feed_right_padded, greedy_reference,
-)
+from test_loop import assert_same_or_near_tie, check_rollback_at_every_acceptance_length, greedy_reference
 
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder
+from dflash_mlx.decoder import DraftProposer
 from dflash_mlx.registry import find_draft
 
 PROMPT = "the quick brown fox"
@@ -56,24 +54,7 @@ def test_rollback_at_every_acceptance_length(gemma, family):
     only the accepted tokens, and the output (which the sharing layers shape)
     is mlx-lm's own greedy continuation."""
     model, tokenizer, _ = gemma[family]
-    target, block_size = Target(model), 6
-    prompt = tokenizer.encode(PROMPT)
-    continuation = greedy_reference(model, prompt, 3 * block_size + 2)
-    for corrupt_at in [*range(block_size - 1), None]:
-        oracle = OracleProposer(len(prompt), continuation, corrupt_at, target.vocab_size)
-        decoder = SpeculativeDecoder(target, oracle, [0], block_size, prefill_step_size=3)
-        out = [decoder.prefill(mx.array(prompt))]
-        reference = target.make_cache()
-        for start in range(0, len(prompt), 3):
-            target.forward(mx.array(prompt[start : start + 3])[None], reference, [0])
-        for _ in range(2):
-            block = mx.concatenate([decoder.pending, decoder.drafted])
-            cycle = decoder.cycle()
-            assert cycle.accepted == (block_size - 1 if corrupt_at is None else corrupt_at)
-            out += cycle.tokens
-            assert out == continuation[: len(out)]
-            feed_right_padded(target, reference, block, cycle.accepted + 1)
-            assert_caches_identical(decoder.cache, reference)
+    check_rollback_at_every_acceptance_length(model, tokenizer, 6)
 
 
 def test_features_are_the_outputs_of_the_tapped_layers(gemma, target_dirs):

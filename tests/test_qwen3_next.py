@@ -7,11 +7,11 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.cache import KVCache
 from test_loop import (
-    OracleProposer, assert_caches_identical, assert_same_or_near_tie, feed_right_padded, greedy_reference,
+    assert_same_or_near_tie, check_rollback_at_every_acceptance_length, greedy_reference,
 )
 
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder
+from dflash_mlx.decoder import DraftProposer
 from dflash_mlx.registry import find_draft
 from dflash_mlx.target import GatedDelta
 from dflash_mlx.tree import TreeDecoder
@@ -74,24 +74,7 @@ def test_rollback_at_every_acceptance_length(qwen3_next):
     """After each cycle the cache is bit-identical to one fed only the accepted
     tokens (mlx-lm's right padding), and the output is mlx-lm's greedy one."""
     model, tokenizer, _ = qwen3_next
-    target, block_size = Target(model), 6
-    prompt = tokenizer.encode("the quick brown fox")
-    continuation = greedy_reference(model, prompt, 3 * block_size + 2)
-    for corrupt_at in [*range(block_size - 1), None]:
-        oracle = OracleProposer(len(prompt), continuation, corrupt_at, target.vocab_size)
-        decoder = SpeculativeDecoder(target, oracle, [0], block_size, prefill_step_size=3)
-        out = [decoder.prefill(mx.array(prompt))]
-        reference = target.make_cache()
-        for start in range(0, len(prompt), 3):
-            target.forward(mx.array(prompt[start : start + 3])[None], reference, [0])
-        for _ in range(2):
-            block = mx.concatenate([decoder.pending, decoder.drafted])
-            cycle = decoder.cycle()
-            assert cycle.accepted == (block_size - 1 if corrupt_at is None else corrupt_at)
-            out += cycle.tokens
-            assert out == continuation[: len(out)]
-            feed_right_padded(target, reference, block, cycle.accepted + 1)
-            assert_caches_identical(decoder.cache, reference)
+    check_rollback_at_every_acceptance_length(model, tokenizer, 6)
 
 
 def test_the_registry_knows_the_published_qwen3_coder_next_draft():
