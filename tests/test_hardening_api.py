@@ -5,8 +5,6 @@ outputs that cannot be written and empty option lists."""
 
 import json
 import shutil
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -15,6 +13,7 @@ from dflash_mlx import generate, load, load_draft
 from dflash_mlx.draft import RANKING_FILE
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.validate import LongPromptWarning
+from cli_run import cli
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +79,6 @@ def test_a_prompt_past_the_context_is_one_warning_in_our_words(tmp_path, target_
     assert len(long_prompt) == 1 and "more than the target's context length of 32" in str(long_prompt[0].message)
     assert "Token indices sequence length" not in capfd.readouterr().err  # not transformers' too
 
-
-def cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_mlx", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("args, wanted", [

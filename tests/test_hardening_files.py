@@ -4,8 +4,6 @@ file it did not write, and bad destinations end in one error line."""
 
 import hashlib
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +11,9 @@ import pytest
 from dflash_mlx.demo import DEMO_DIR
 from dflash_mlx.draft import RANKING_FILE
 from dflash_mlx.errors import DFlashError
+from cli_run import cli, one_error_line
 
 
-def cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    """``python -m dflash_mlx ARGS``, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "dflash_mlx", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def one_error_line(run: subprocess.CompletedProcess, wanted: str) -> None:
-    assert run.returncode == 1, run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and wanted in lines[0], run.stderr
 
 
 def digest(folder: Path) -> dict:

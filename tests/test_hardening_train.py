@@ -1,25 +1,14 @@
 """``dflash-mlx train`` refuses what it cannot finish before it starts, in one
 error line, and a run that fails leaves no settings file behind."""
 
-import subprocess
-import sys
 
 import pytest
 
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.train.loop import OptimConfig
+from cli_run import cli, one_error_line
 
 
-def cli(*args, timeout=120) -> subprocess.CompletedProcess:
-    """``python -m dflash_mlx ARGS``, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "dflash_mlx", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def one_error_line(run: subprocess.CompletedProcess, wanted: str) -> None:
-    assert run.returncode == 1, run.stderr
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and wanted in lines[0], run.stderr
 
 
 @pytest.fixture
