@@ -153,9 +153,10 @@ class Target:
     def head_logits(self, hidden: mx.array) -> mx.array:
         """The head's output, before any soft cap the model applies (for a draft
         whose config gives its own ``final_logit_softcapping``)."""
+        out = None
         if isinstance(self.head_module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            return quantized_matmul(hidden, self.head_module)
-        return self.lm_head(hidden)
+            out = quantized_matmul(hidden, self.head_module)  # None where the kernel does not run
+        return self.lm_head(hidden) if out is None else out
 
     def logits(self, hidden: mx.array) -> mx.array:
         """The model's logits from final-normed hidden states (soft-capped where
