@@ -77,10 +77,10 @@ class DFlash2Proposer(DraftProposer):
 
     def _rows(self, y: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
         """(normed hidden [b-1, H], scaled logits [b-1, V]) of block rows 1..b-1;
-        ``finite`` becomes whether those logits are all finite (unevaluated)."""
+        ``finite`` becomes whether those logits are sound (``sound_logits``, unevaluated)."""
         hidden = self.block_hidden(y, block_size)
         logits = self.draft.scale_logits(self.head(hidden))
-        self.finite = mx.isfinite(logits).all()
+        self.finite = sound_logits(logits)
         return hidden, logits
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
@@ -98,6 +98,12 @@ class DFlash2Proposer(DraftProposer):
         return self.draft.candidate_selector.transitions(*self._rows(y, block_size), y)
 
 
+def sound_logits(logits: mx.array) -> mx.array:
+    """Scalar: no NaN and no +inf in ``logits``. -inf is sound: it marks ids a
+    reduced drafting vocabulary leaves out."""
+    return ~(mx.isnan(logits) | (logits == mx.inf)).any()
+
+
 def proposer_for(draft: DFlashDraft, target: Target, cache: Optional[list] = None,
                  head: Optional[Callable[[mx.array], mx.array]] = None) -> DraftProposer:
     """The proposer of a draft's architecture (v1 or DFlash2)."""
@@ -108,17 +114,17 @@ def proposer_for(draft: DFlashDraft, target: Target, cache: Optional[list] = Non
 def propose_block(proposer: Proposer, y: mx.array, block_size: int, sampler: BlockSampler):
     """(drafted [b-1] int32, q or None, finite): the proposer's own choice where
     it makes one, else the sampler's from its logits; ``finite`` is a scalar,
-    false when the draft's logits hold inf or NaN (a proposer that chooses its
+    false when the draft's logits hold NaN or +inf (a proposer that chooses its
     own drafts says so in its ``finite`` after ``draft_block``; else true)."""
     own = getattr(proposer, "draft_block", None)
     if own:
         drafted, q = own(y, block_size, sampler)
         return drafted, q, getattr(proposer, "finite", mx.array(True))
     logits = proposer.propose(y, block_size)
-    return *sampler.draft(logits), mx.isfinite(logits).all()
+    return *sampler.draft(logits), sound_logits(logits)
 
 
-NON_FINITE = ("the draft produced non-finite logits (inf or NaN), so generation stopped; "
+NON_FINITE = ("the draft produced non-finite logits (NaN or inf), so generation stopped; "
               "run it in float32 (--draft-dtype float32, or load_draft(..., dtype='float32'))")
 
 
