@@ -217,10 +217,9 @@ def test_features_handed_to_the_draft_are_the_layer_outputs(loaded, pairs, famil
         assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item(), f"layer {layer_id}"
 
 
-def test_recording_forward_matches_the_plain_forward(loaded):
-    """The GatedDeltaNet path that records for rollback computes exactly what
-    mlx-lm's own layer computes."""
-    model, tokenizer, _ = loaded["qwen3_5"]
+def check_recording_forward_matches_the_plain_forward(model, tokenizer) -> None:
+    """Hidden states, features and recurrent states of a recording pass are
+    bit-identical to a plain pass's, and the pass records something."""
     target = Target(model)
     tokens = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog"))[None]
     caches = [target.make_cache(), target.make_cache()]
@@ -234,3 +233,10 @@ def test_recording_forward_matches_the_plain_forward(loaded):
     for a, b in zip(*caches):
         if not isinstance(a, KVCache):
             assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[1], b[1])
+
+
+def test_recording_forward_matches_the_plain_forward(loaded):
+    """The GatedDeltaNet path that records for rollback computes exactly what
+    mlx-lm's own layer computes."""
+    model, tokenizer, _ = loaded["qwen3_5"]
+    check_recording_forward_matches_the_plain_forward(model, tokenizer)

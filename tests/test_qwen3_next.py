@@ -5,9 +5,9 @@ mlx-lm on the chain and the DDTree, exact rollback at every acceptance length.""
 import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_lm_load
-from mlx_lm.models.cache import KVCache
 from test_loop import (
-    assert_same_or_near_tie, check_rollback_at_every_acceptance_length, greedy_reference,
+    assert_same_or_near_tie, check_recording_forward_matches_the_plain_forward,
+    check_rollback_at_every_acceptance_length, greedy_reference,
 )
 
 from dflash_mlx import Target, generate, load_draft
@@ -34,17 +34,7 @@ def test_its_linear_layers_are_the_gated_delta_kind(qwen3_next):
 
 def test_recording_forward_matches_the_plain_forward(qwen3_next):
     model, tokenizer, _ = qwen3_next
-    target = Target(model)
-    tokens = mx.array(tokenizer.encode("the quick brown fox jumps over the lazy dog"))[None]
-    caches = [target.make_cache(), target.make_cache()]
-    for cache in caches:
-        target.forward(tokens[:, :4], cache, [1])
-    plain = target.forward(tokens[:, 4:], caches[0], [1])
-    recorded = target.forward(tokens[:, 4:], caches[1], [1], record=True)
-    assert mx.array_equal(plain.hidden, recorded.hidden) and mx.array_equal(plain.features, recorded.features)
-    for a, b in zip(*caches):
-        if not isinstance(a, KVCache):
-            assert mx.array_equal(a[0], b[0]) and mx.array_equal(a[1], b[1])
+    check_recording_forward_matches_the_plain_forward(model, tokenizer)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
