@@ -1,12 +1,18 @@
-"""A tiny target whose greedy reply is scripted: reasoning, an answer and a tool call.
+"""A tiny target whose greedy reply is scripted: reasoning, an answer and a tool
+call; after a tool result, reasoning and a final answer.
 
-Every layer's output projections (``o_proj``, ``down_proj``) are zero, so the
-residual stream at a position is that token's embedding and the next token
-depends on the current one alone. Scripted tokens get orthogonal embeddings
-and the head maps each to its chosen successor; every other token's embedding
-points at EOS. The tokenizer is the tiny byte-level BPE of ``checkpoints``
-plus Qwen-style markers as added tokens, with a small Qwen-style chat template
-that renders tools, tool calls and tool results and opens a thinking block.
+Every layer's output projections (``o_proj``, ``down_proj``) are zero but the
+first layer's attention, so the residual stream at a position is that token's
+embedding and the next token depends on the current one alone. Scripted tokens
+get orthogonal embeddings and the head maps each to its chosen successor; every
+other token's embedding points at EOS. One attention head of the first layer
+reads the context: at ``</think>`` it attends to any ``</tool_response>`` before
+it and writes a "tool result seen" direction, which turns the reply from the
+answer and call (``SCRIPT``) to the final answer (``AFTER_TOOL``), so an agent
+loop (call, result, answer) runs on it. The tokenizer is the tiny byte-level BPE
+of ``checkpoints`` plus Qwen-style markers as added tokens, with a small
+Qwen-style chat template that renders tools, tool calls and tool results and
+opens a thinking block.
 """
 
 import json
@@ -25,11 +31,14 @@ PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>
           '{"name":"get_weather",', '"arguments":', '{"city":"Paris"}}']
 REASONING = " the quick brown"  # base-vocabulary words, one token each
 ANSWER = " hello world"
+FINAL = " you can go out"  # the answer once a tool result is in the context
 CALL_JSON = '{"name":"get_weather","arguments":{"city":"Paris"}}'
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 # the reply after an open "<think>": reasoning, "</think>", answer, one call, EOS
 SCRIPT = ["<think>", *(" " + w for w in REASONING.split()), "</think>", *(" " + w for w in ANSWER.split()),
           "<tool_call>", *PIECES[6:], "</tool_call>", "<|im_end|>"]
+# the reply after "</think>" once a "</tool_response>" precedes it
+AFTER_TOOL = ["</think>", *(" " + w for w in FINAL.split()), "<|im_end|>"]
 
 TOOLS_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
@@ -84,29 +93,62 @@ def _write_tokenizer(path: Path, template: str) -> Tokenizer:
     return tok
 
 
+def _token_id(tok: Tokenizer, token: str) -> int:
+    return tok.token_to_id(token if token in MARKERS + PIECES else "\u0120" + token[1:])
+
+
+def _look_back_for_tool_results(weights: dict, config: dict, branch: int, marker: int, seen: int) -> None:
+    """First layer, head 0: the query at dim ``branch`` meets the key at dim
+    ``marker`` in the head's slowest-rotating RoPE pair (so position barely
+    matters), and the value read from ``marker`` is written to dim ``seen``."""
+    H, D = config["hidden_size"], config["head_dim"]
+    q = np.zeros((config["num_attention_heads"] * D, H), np.float32)
+    kv = np.zeros((config["num_key_value_heads"] * D, H), np.float32)
+    k, v = kv.copy(), kv
+    o = np.zeros((H, config["num_attention_heads"] * D), np.float32)
+    q[D // 2 - 1, branch] = k[D // 2 - 1, marker] = 2.0  # score ~45: all weight on the marker
+    v[0, marker] = 1.0
+    o[seen, 0] = 0.2  # about as large as the branch token's own direction
+    attention = "model.layers.0.self_attn."
+    weights.update({attention + "q_proj.weight": q, attention + "k_proj.weight": k,
+                    attention + "v_proj.weight": v, attention + "o_proj.weight": o})
+
+
 def write_scripted_target(path: Path, tools: bool = True) -> dict:
     """Save the scripted llama target at ``path``: with the tools-and-thinking
     template, or (``tools=False``) a plain one. Returns its config."""
     path = Path(path)
     tok = _write_tokenizer(path, TOOLS_TEMPLATE if tools else PLAIN_TEMPLATE)
-    ids = [tok.token_to_id(t if t in MARKERS + PIECES else "\u0120" + t[1:]) for t in SCRIPT]
-    assert None not in ids, dict(zip(SCRIPT, ids))
+    chains = [[_token_id(tok, t) for t in chain] for chain in (SCRIPT, AFTER_TOOL)]
+    assert None not in chains[0] + chains[1], [SCRIPT, AFTER_TOOL, chains]
     eos = tok.token_to_id("<|im_end|>")
     model, config = build_target("llama", eos_token_id=eos, vocab_size=VOCAB)
     H = config["hidden_size"]
-    # dim 0 is EOS's direction; dim 1 + i is the i-th scripted token's
+    # dim 0 is EOS's direction; dim 1 + i is the i-th scripted token's; then "tool result seen"
+    dims = {t: 1 + i for i, t in enumerate(dict.fromkeys(chains[0] + chains[1]))}
+    marker, seen = len(dims) + 1, len(dims) + 2
     embed = np.zeros((VOCAB, H), np.float32)
     embed[:, 0] = 1.0
-    embed[:, len(ids) + 1:] = np.random.default_rng(0).normal(0.0, 0.05, (VOCAB, H - len(ids) - 1))
+    embed[:, seen + 1:] = np.random.default_rng(0).normal(0.0, 0.05, (VOCAB, H - seen - 1))
     head = np.zeros((VOCAB, H), np.float32)
     head[eos, 0] = 1.0
-    for i, (token, successor) in enumerate(zip(ids, ids[1:])):
+    for token, dim in dims.items():
         embed[token] = 0.0
-        embed[token, 0], embed[token, 1 + i] = 0.1, 1.0
-        head[successor, 1 + i] = 10.0
+        embed[token, 0], embed[token, dim] = 0.1, 1.0
+    response_end = tok.token_to_id("</tool_response>")
+    embed[response_end] = 0.0
+    embed[response_end, 0] = embed[response_end, marker] = 1.0
+    for token, successor in zip(chains[0], chains[0][1:]):
+        head[successor, dims[token]] = 10.0
+    branch, after = chains[1][:2]
+    before = chains[0][chains[0].index(branch) + 1]
+    head[after, seen], head[before, seen] = 10.0, -10.0
+    for token, successor in zip(chains[1][1:], chains[1][2:]):
+        head[successor, dims[token]] = 10.0
     weights = {"model.embed_tokens.weight": embed, "lm_head.weight": head}
+    _look_back_for_tool_results(weights, config, dims[branch], marker, seen)
     for name, p in tree_flatten(model.parameters()):
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight")) and name not in weights:
             weights[name] = np.zeros(p.shape, np.float32)
         elif name.endswith("norm.weight"):
             weights[name] = np.ones(p.shape, np.float32)

@@ -1,7 +1,7 @@
 """Tool calling and thinking kept apart on ``dflash-mlx serve``: a real server
 on a free 127.0.0.1 port serving a scripted target (tests/scripted.py: its
-greedy reply is reasoning, an answer and a get_weather call), talked to with
-the ``openai`` client."""
+greedy reply is reasoning, an answer and a get_weather call, or a final answer
+once a tool result is in the context), talked to with the ``openai`` client."""
 
 import json
 
@@ -10,7 +10,7 @@ import openai
 import pytest
 from checkpoints import write_draft
 from mlx_lm.tool_parsers import json_tools
-from scripted import ANSWER, CALL, CALL_JSON, REASONING, write_scripted_target
+from scripted import ANSWER, CALL, CALL_JSON, FINAL, REASONING, write_scripted_target
 from test_server import KEY, running_server
 
 from dflash_mlx import load
@@ -104,7 +104,50 @@ def test_a_tool_result_turn_renders_through_the_template(client, tokenizer):
     assert second.usage.prompt_tokens == len(ids)
     # prefix reuse: the first turn's prompt up to the assistant's reply is not prefilled again
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
-    assert second.choices[0].finish_reason == "tool_calls"
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content == FINAL
+
+
+def get_weather(city: str) -> dict:
+    return {"city": city, "temperature": 21}
+
+
+def _turn(client, messages: list, stream: bool):
+    """One chat turn: (assistant message as the client sends it back, finish_reason, usage)."""
+    kwargs = dict(model="any", messages=messages, tools=TOOLS, max_tokens=32)
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        message = reply.choices[0].message
+        return message.model_dump(exclude_none=True), reply.choices[0].finish_reason, reply.usage
+    content, calls, finish, usage = "", [], None, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls += [c.model_dump(exclude_none=True, exclude={"index"}) for c in choice.delta.tool_calls or []]
+            finish = choice.finish_reason or finish
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}, finish, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_agent_loop_calls_a_tool_and_answers(client, stream):
+    """The loop an agent runs: ask, run each tool the model calls, send the
+    results back, until the model answers; each turn reuses the one before."""
+    messages, turns = list(ASK), []
+    while len(turns) < 4:
+        message, finish, usage = _turn(client, messages, stream)
+        turns.append((finish, usage))
+        messages.append({k: v for k, v in message.items() if k != "reasoning_content"})
+        if finish != "tool_calls":
+            break
+        for call in message["tool_calls"]:
+            result = get_weather(**json.loads(call["function"]["arguments"]))
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)})
+    assert [finish for finish, _ in turns] == ["tool_calls", "stop"]
+    assert messages[-1]["content"] == FINAL and '"temperature": 21' in messages[-2]["content"]
+    (_, first), (_, second) = turns
+    # the second prompt is the first one, its reply and the result: all but the reply's tail is cached
+    assert second.prompt_tokens > first.prompt_tokens + first.completion_tokens
+    assert second.prompt_tokens_details.cached_tokens >= first.prompt_tokens - 1
 
 
 @pytest.mark.parametrize("tools", [{}, {"tools": TOOLS, "tool_choice": "none"}])
