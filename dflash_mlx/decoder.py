@@ -10,13 +10,14 @@ reads one small result per cycle.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Union
+from typing import Optional, Protocol, Union
 
 import mlx.core as mx
 
 from .block_policy import BlockPolicy, FixedBlock
-from .draft import DFlash2Draft, DFlashDraft
+from .draft import DFlash2Draft, DFlashDraft, SubsetHead
 from .errors import DFlashError
+from .kv_quantization import KVQuantization, prefill_chunks
 from .sampling import BlockSampler, SamplingParams
 from .target import Target
 
@@ -48,7 +49,7 @@ class DraftProposer:
     scale or cap is applied twice."""
 
     def __init__(self, draft: DFlashDraft, target: Target, cache: Optional[list] = None,
-                 head: Optional[Callable[[mx.array], mx.array]] = None):
+                 head: Optional[SubsetHead] = None):
         config = draft.config
         self.draft = draft
         self.target = target
@@ -56,7 +57,8 @@ class DraftProposer:
         self.mask_token_id = config.mask_token_id
         self.embed = target.embed_rows if config.input_embedding_scale != 1.0 else target.embed
         own_scaling = config.final_logit_softcapping is not None or config.output_multiplier != 1.0
-        self.head = head or (target.head_logits if own_scaling else target.logits)
+        source = head or target
+        self.head = source.head_logits if own_scaling else source.logits
 
     def observe(self, features: mx.array, tokens: mx.array) -> None:
         self.draft.inject(features, self.cache)
@@ -105,7 +107,7 @@ def sound_logits(logits: mx.array) -> mx.array:
 
 
 def proposer_for(draft: DFlashDraft, target: Target, cache: Optional[list] = None,
-                 head: Optional[Callable[[mx.array], mx.array]] = None) -> DraftProposer:
+                 head: Optional[SubsetHead] = None) -> DraftProposer:
     """The proposer of a draft's architecture (v1 or DFlash2)."""
     cls = DFlash2Proposer if isinstance(draft, DFlash2Draft) else DraftProposer
     return cls(draft, target, cache, head)
@@ -154,7 +156,8 @@ class SpeculativeDecoder:
 
     ``block_size`` is a fixed block or a ``BlockPolicy``, asked for b before
     each block is drafted and told each cycle's outcome; b = 1 drafts nothing
-    and the cycle is a plain target step.
+    and the cycle is a plain target step. ``kv`` quantizes the target's
+    attention caches as mlx-lm does (``kv_quantization.py``).
     """
 
     def __init__(
@@ -167,8 +170,10 @@ class SpeculativeDecoder:
         sampler: Optional[BlockSampler] = None,
         cache: Optional[list] = None,
         tokens: Optional[list[int]] = None,
+        kv: Optional[KVQuantization] = None,
     ):
         self.target = target
+        self.kv = kv
         self.proposer = proposer
         self.layer_ids = layer_ids
         fixed = isinstance(block_size, int)
@@ -187,6 +192,14 @@ class SpeculativeDecoder:
         self.unobserved: list[tuple[mx.array, mx.array]] = []  # plain steps' features and ids, not yet injected
         self.draft_logprobs: Optional[mx.array] = None  # q, when sampling
         self.draft_finite = mx.array(True)  # whether the queued draft's logits were finite
+        self.keep_logprobs = False  # set True: ``logprobs`` carries the committed tokens' log-probabilities
+        self.logprobs: Optional[mx.array] = None  # [n, V] at the last prefill's or cycle's n tokens (lazy)
+        self.queued_logits: Optional[mx.array] = None  # b = 1: the processed logits of ``queued``
+
+    def _keep(self, logits: mx.array) -> None:
+        """With ``keep_logprobs``: the target's log-probabilities of processed
+        logits [n, V] (before the sampler's warping, as mlx-lm reports them)."""
+        self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if self.keep_logprobs else None
 
     def _remember(self, tokens: list[int]) -> None:
         keep = self.sampler.params.context_size
@@ -195,8 +208,9 @@ class SpeculativeDecoder:
     def prefill(self, prompt: mx.array) -> int:
         """Feed the prompt past the ``tokens`` the cache already holds (its
         prefix) in chunks; return the first generated token."""
-        for start in range(len(self.tokens), prompt.size, self.prefill_step_size):
-            chunk = prompt[start : start + self.prefill_step_size]
+        for start, stop in prefill_chunks(len(self.tokens), prompt.size, self.prefill_step_size, bool(self.kv)):
+            chunk = prompt[start:stop]
+            self._quantize_kv()
             out = self.target.forward(chunk[None], self.cache, self.layer_ids)
             self.proposer.observe(out.features, chunk)
             mx.eval([c.state for c in self.cache], out.hidden)
@@ -205,6 +219,7 @@ class SpeculativeDecoder:
         self._remember(prompt.tolist())
         logits = self.target.logits(out.hidden[:, -1])
         logits = self.sampler.process(logits, mx.array(self.recent, dtype=mx.int32))
+        self._keep(logits)
         self.pending = self.sampler.first_token(logits)
         first = self.pending.item()
         self._queue_draft()
@@ -213,6 +228,8 @@ class SpeculativeDecoder:
     def _queue_draft(self) -> None:
         # start drafting the next block while the host streams this cycle's text
         self.block_size = self.policy.choose()
+        if self.kv:
+            self.block_size = self.kv.block(len(self.tokens), self.block_size)
         if self.block_size == 1:  # speculation off: a plain target step, no draft pass
             self.drafted, self.draft_logprobs = self.no_draft
             self.draft_finite = mx.array(True)
@@ -227,6 +244,11 @@ class SpeculativeDecoder:
         self._queue_draft()
         if self.block_size == 1:
             self._queue_plain_step()
+
+    def _quantize_kv(self) -> None:
+        """Before a target pass: quantize the caches mlx-lm's would have by now."""
+        if self.kv:
+            self.kv.convert(self.cache, self.target.kinds)
 
     def catch_up(self) -> None:
         """Hand the proposer the features of the plain steps it has not seen,
@@ -248,11 +270,13 @@ class SpeculativeDecoder:
         and ``tokens`` agree whenever a cycle returns. Never queued by
         ``prefill``: until the first cycle the cache ends at the prompt."""
         y = self.pending
+        self._quantize_kv()
         out = self.target.forward(y[None], self.cache, self.layer_ids)
         self.unobserved.append((out.features, y))
         history = mx.concatenate([mx.array(self.recent, dtype=mx.int32), y])
         logits = self.sampler.process(self.target.logits(out.hidden[:, -1]), history)
         _, self.queued = self.sampler.verify(logits, *self.no_draft)
+        self.queued_logits = logits
         mx.async_eval(self.queued)
         committed = [y.item()]  # waits only while the step that makes y still runs
         self.tokens.extend(committed)
@@ -264,11 +288,13 @@ class SpeculativeDecoder:
             if self.queued is None:  # the first cycle after prefill
                 self._queue_plain_step()
             self.pending, self.queued = self.queued, None
+            self._keep(self.queued_logits)
             self.policy.update(1, 0)
             self._queue_next()
             return Cycle([self.pending.item()], 0)
         y, drafted = self.pending, self.drafted
         block = mx.concatenate([y, drafted])
+        self._quantize_kv()
         out = self.target.forward(block[None], self.cache, self.layer_ids, record=True)
         history = mx.concatenate([mx.array(self.recent, dtype=mx.int32), block])
         logits = self.sampler.process(self.target.logits(out.hidden)[0], history)
@@ -282,6 +308,7 @@ class SpeculativeDecoder:
             self.tokens.append(y.item())
             raise DFlashError(NON_FINITE)
         a = accepted.item()
+        self._keep(logits[: a + 1])
         self.policy.update(block.size, a)
         committed = block[: a + 1].tolist()
         self.target.rollback(self.cache, out, a + 1)

@@ -53,6 +53,7 @@ HEADS = {  # name -> a target whose LM head is of that kind
     "tied embedding": lambda: build_target("qwen3", seed=0, tie_word_embeddings=True)[0],
     "4-bit linear": lambda: quantized(build_target("llama", seed=0, tie_word_embeddings=False)[0]),
     "4-bit tied": lambda: quantized(build_target("qwen3", seed=0, tie_word_embeddings=True)[0]),
+    "soft-capped tied (gemma4)": lambda: build_target("gemma4", seed=0)[0],
 }
 
 
@@ -61,12 +62,42 @@ def test_the_sliced_head_is_the_full_head_on_its_ids_and_minus_inf_elsewhere(kin
     target = Target(HEADS[kind]())
     ids = mx.array(np.sort(np.random.default_rng(0).choice(target.vocab_size, 40, replace=False)))
     hidden = mx.array(np.random.default_rng(1).normal(size=(1, 7, target.hidden_size)).astype(np.float32))
-    got, full = SubsetHead(target, ids)(hidden), target.logits(hidden)
+    got, full = SubsetHead(target, ids).logits(hidden), target.logits(hidden)
     assert got.shape == full.shape
     inside = np.zeros(target.vocab_size, dtype=bool)
     inside[np.array(ids)] = True
     np.testing.assert_allclose(np.array(got)[..., inside], np.array(full)[..., inside], rtol=1e-5, atol=1e-5)
     assert np.all(np.isneginf(np.array(got)[..., ~inside]))
+    raw = np.array(SubsetHead(target, ids).head_logits(hidden))
+    np.testing.assert_allclose(raw[..., inside], np.array(target.head_logits(hidden))[..., inside], rtol=1e-5, atol=1e-5)
+    assert np.all(np.isneginf(raw[..., ~inside]))
+    if "gemma4" in kind:  # the cap is applied to the kept ids, and it changes them
+        assert not np.allclose(raw[..., inside], np.array(got)[..., inside], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("draft_cap", [None, 30.0])
+def test_on_a_gemma4_target_the_subset_draft_logits_are_the_full_ones_capped_once(target_dirs, draft_dir, draft_cap):
+    """A Gemma 4 draft over a reduced vocabulary, whether its config names the
+    cap (as the published drafts do) or not: its logits on the kept ids are
+    those over the full head (the target's cap applied once), -inf elsewhere."""
+    model, tokenizer = mlx_lm_load(str(target_dirs["gemma4"]))
+    draft = load_draft(str(draft_dir("gemma4", block_size=8, target_layer_ids=[1, 4])))
+    draft.config.final_logit_softcapping = draft_cap
+    target = Target(model)
+    prompt = mx.array(tokenizer.encode("the quick brown fox"))
+    features = target.forward(prompt[None], target.make_cache(), draft.config.target_layer_ids).features
+    ranking = rank_tokens(prompt.tolist(), target.vocab_size)
+    logits = []
+    for head in (None, subset_head(target, ranking, 48)):
+        proposer = DraftProposer(draft, target, head=head)
+        proposer.observe(features, prompt)
+        logits.append(np.array(proposer.propose(mx.array([17]), 8)))
+    full, sub = logits
+    inside = np.zeros(target.vocab_size, dtype=bool)
+    inside[ranking[:48]] = True
+    np.testing.assert_allclose(sub[:, inside], full[:, inside], rtol=1e-5, atol=1e-4)
+    assert np.all(np.isneginf(sub[:, ~inside]))
+    assert np.abs(full).max() < 30.0
 
 
 def test_subset_head_checks_its_ranking_and_size(target_dirs):
@@ -111,7 +142,7 @@ class SubsetProposer(sampled.NoisyTargetProposer):
 
     def row(self, seq):
         target = Target(self.model)
-        logits = SubsetHead(target, self.IDS)(target.forward(mx.array(seq)[None], None, [0]).hidden[0, -1])
+        logits = SubsetHead(target, self.IDS).logits(target.forward(mx.array(seq)[None], None, [0]).hidden[0, -1])
         return 0.8 * logits, mx.argmax(logits).item()
 
 

@@ -342,9 +342,12 @@ class DFlashDraft(nn.Module):
         return self.norm(h)
 
     def scale_logits(self, logits: mx.array) -> mx.array:
-        """z * output_multiplier, then cap * tanh(z / cap) when the config has a cap."""
+        """z * output_multiplier, then cap * tanh(z / cap) when the config has a cap;
+        -inf (an id a reduced drafting vocabulary leaves out) stays -inf."""
         config = self.config
         if config.output_multiplier != 1.0:
             logits = logits * config.output_multiplier
         cap = config.final_logit_softcapping
-        return cap * mx.tanh(logits / cap) if cap is not None and cap > 0 else logits
+        if cap is None or cap <= 0:
+            return logits
+        return mx.where(logits == -mx.inf, logits, cap * mx.tanh(logits / cap))

@@ -80,11 +80,15 @@ def read_ranking(draft_dir: Path) -> Optional[np.ndarray]:
 
 class SubsetHead:
     """The target's LM head over ``ids`` only; logits are full width, -inf
-    outside ``ids``. Float, tied-embedding and quantized heads alike."""
+    outside ``ids``. Float, tied-embedding and quantized heads alike. As
+    ``Target``, ``head_logits`` is the head's raw output and ``logits`` the
+    model's (soft-capped where the model caps them, Gemma 4); a cap or scale
+    applies to the kept ids only, so the others stay -inf."""
 
     def __init__(self, target: Target, ids: mx.array):
         head = target.head_module
         self.ids = ids
+        self.finish_logits = target.stack.finish_logits
         self.vocab_size = target.vocab_size
         rows = {name: head[name][ids] for name in ("weight", "scales", "biases", "bias") if name in head}
         mx.eval(rows)  # sliced once, not on every call
@@ -95,14 +99,22 @@ class SubsetHead:
             self.group_size, self.bits = head.group_size, head.bits
             self.mode = getattr(head, "mode", "affine")
 
-    def __call__(self, hidden: mx.array) -> mx.array:
+    def head_logits(self, hidden: mx.array) -> mx.array:
+        return self._place(self._rows(hidden))
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return self._place(self.finish_logits(self._rows(hidden)))
+
+    def _rows(self, hidden: mx.array) -> mx.array:
+        """The head's raw output on the kept ids [..., N]."""
         if self.quantized:
             sub = mx.quantized_matmul(hidden, self.weight, self.scales, self.biases, transpose=True,
                                       group_size=self.group_size, bits=self.bits, mode=self.mode)
         else:
             sub = hidden @ self.weight.T
-        if self.bias is not None:
-            sub = sub + self.bias
+        return sub if self.bias is None else sub + self.bias
+
+    def _place(self, sub: mx.array) -> mx.array:
         full = mx.full((*sub.shape[:-1], self.vocab_size), -mx.inf, dtype=sub.dtype)
         index = mx.broadcast_to(self.ids, sub.shape)
         return mx.put_along_axis(full, index, sub, axis=-1)
