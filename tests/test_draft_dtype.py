@@ -11,6 +11,7 @@ from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
 from checkpoints import write_dflash2_draft, write_draft
+from cli_run import cli, one_error_line
 from dflash_mlx import DFlashError, load, load_draft, stream_generate
 from dflash_mlx.cli import app
 from dflash_mlx.precision import bf16_emulated, choose_draft_dtype
@@ -59,8 +60,10 @@ def _poison(path, name="fc.weight"):
     mx.save_safetensors(str(file), weights)
 
 
+@pytest.mark.parametrize("tree_budget", [None, 6])
 @pytest.mark.parametrize("dflash2", [False, True])
-def test_a_draft_with_nan_weights_stops_with_one_line_and_emits_only_target_tokens(tmp_path, target_dirs, dflash2):
+def test_a_draft_with_nan_weights_stops_with_one_line_and_emits_only_target_tokens(tmp_path, target_dirs, dflash2,
+                                                                                   tree_budget):
     config = json.loads((target_dirs["llama"] / "config.json").read_text())
     (write_dflash2_draft if dflash2 else write_draft)(tmp_path, config, block_size=4)
     _poison(tmp_path)
@@ -68,12 +71,23 @@ def test_a_draft_with_nan_weights_stops_with_one_line_and_emits_only_target_toke
     prompt = [1, 5, 9, 14, 3]
     emitted = []
     with pytest.raises(DFlashError, match="non-finite logits") as e:
-        for r in stream_generate(model, load_draft(str(tmp_path)), tokenizer, prompt, block_size=4, max_tokens=24):
+        for r in stream_generate(model, load_draft(str(tmp_path)), tokenizer, prompt, block_size=4, max_tokens=24,
+                                 tree_budget=tree_budget):
             emitted += r.tokens
     assert "\n" not in str(e.value) and "--draft-dtype float32" in str(e.value)
     want = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]
     assert emitted == want[: len(emitted)]  # only the target's own tokens came out
     assert len(emitted) < 24
+
+
+def test_the_cli_stops_a_nan_draft_with_one_error_line_on_the_chain_and_the_tree(tmp_path, target_dirs):
+    config = json.loads((target_dirs["llama"] / "config.json").read_text())
+    write_draft(tmp_path, config, block_size=4)
+    _poison(tmp_path)
+    for tree in ([], ["--tree-budget", "6"]):
+        run = cli("generate", "--model", target_dirs["llama"], "--draft", tmp_path, "-p", "hello world", "-b", "4",
+                  "--max-tokens", "16", "--no-chat-template", *tree)
+        one_error_line(run, "the draft produced non-finite logits")
 
 
 def test_generate_refuses_a_bad_draft_dtype_before_loading():

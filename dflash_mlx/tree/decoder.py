@@ -28,7 +28,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..decoder import Cycle, Proposer, SpeculativeDecoder
+from ..decoder import NON_FINITE, Cycle, Proposer, SpeculativeDecoder, sound_logits
 from ..errors import DFlashError
 from ..sampling import BlockSampler
 from ..target import Attention, Forward, GatedDelta, Target
@@ -115,10 +115,12 @@ class TreeDecoder(SpeculativeDecoder):
         own = getattr(self.proposer, "tree_candidates", None)  # children that depend on their parent
         if own:
             self.build, self.candidates = build_transition_tree, own(self.pending, self.block_size)
+            self.draft_finite = getattr(self.proposer, "finite", mx.array(True))
         else:
             logits = self.proposer.propose(self.pending, self.block_size)
             self.build, self.candidates = build_tree, top_candidates(logits, self.budget)
-        mx.async_eval(self.candidates)
+            self.draft_finite = sound_logits(logits)
+        mx.async_eval(self.candidates, self.draft_finite)
 
     def _process(self, logits: mx.array, tree: Tree) -> mx.array:
         """Logits processors per node, each seeing the committed tokens then its path."""
@@ -139,12 +141,16 @@ class TreeDecoder(SpeculativeDecoder):
 
     def cycle(self) -> Cycle:
         """One draft-tree + verify + walk + commit cycle; returns the committed tokens."""
+        if not self.draft_finite.item():  # ready with the candidates, read just below
+            # no tree of NaN-chosen tokens: y (emitted, not yet fed) stays out of the caches and ``tokens``
+            raise DFlashError(NON_FINITE)
         tree = self.build(self.pending.item(), *(c.tolist() for c in self.candidates), self.budget)
         offset = context_length(self.target, self.cache)
         out = tree_forward(self.target, tree, self.cache, self.layer_ids)
         logits = self._process(self.target.logits(out.hidden)[0], tree)
         choices = self._choose(logits, tree)  # the cycle's sync
         path, bonus = walk(tree, choices)
+        self._keep(logits[mx.array(path)])
         commit(self.target, self.cache, out, offset, path)
         committed = [tree.tokens[i] for i in path]
         self.proposer.observe(out.features[:, mx.array(path)], mx.array(committed, dtype=mx.int32))
