@@ -22,6 +22,7 @@ from .decoder import ContextCache, SpeculativeDecoder, proposer_for
 from .draft import DFlashDraft
 from .draft import subset_head
 from .errors import DFlashError
+from .kv_quantization import DEFAULT_QUANTIZED_KV_START, KVQuantization
 from .target import check_forward
 from .sampling import BlockSampler, SamplingParams
 from .target import Target
@@ -138,6 +139,9 @@ def stream_generate(
     tree_budget: Optional[int] = None,
     cost_curve: Optional[costs.CostCurve] = None,
     draft_vocab: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -162,6 +166,10 @@ def stream_generate(
     ``draft_vocab`` N drafts over the N most frequent ids of the ranking stored
     beside the draft (``draft/vocab.py``; lossless, verification keeps the full
     vocabulary); None is the full vocabulary.
+    ``kv_bits`` (2-6 or 8) quantizes the target's full-attention KV caches in
+    groups of ``kv_group_size`` once they hold ``quantized_kv_start`` tokens,
+    as mlx-lm's ``generate_step`` does with the same three arguments, whose
+    output this then equals (``kv_quantization.py``); None keeps them full precision.
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})
     validate.loaded(model, draft, tokenizer, cost_curve, costs.CostCurve)
@@ -171,6 +179,13 @@ def stream_generate(
     block_size = trained if block_size is None else validate.block_size(block_size, trained)
     validate.logit_bias(logit_bias, target.vocab_size)
     tree_budget = validate.tree_budget(tree_budget, getattr(target.args, "max_position_embeddings", None))
+    kv = None
+    if kv_bits is not None:
+        kv = KVQuantization(kv_bits, kv_group_size, quantized_kv_start)
+        kv.check(target)
+        if tree_budget:
+            raise DFlashError("kv_bits (a quantized KV cache) runs with the chain, not a DDTree; "
+                              "leave out tree_budget or kv_bits")
     head = None
     if draft_vocab is not None:
         head = subset_head(target, draft.vocab_ranking, draft_vocab)  # an integer >= 1: checked above
@@ -207,7 +222,7 @@ def stream_generate(
         else:
             policy = FixedBlock(block_size)
         decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,
-                                     prefill_step_size, sampler, context.target, context.tokens)
+                                     prefill_step_size, sampler, context.target, context.tokens, kv)
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream), \
             drained(generation_stream), contextlib.closing(decoder):
         tic = time.perf_counter()

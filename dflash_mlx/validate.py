@@ -17,6 +17,8 @@ from .errors import DFlashError
 
 MAX_SEED = 2**64  # mx.random.seed takes an unsigned 64-bit integer
 BLOCK_CAP_FACTOR = 2  # a block may be at most this many times the draft's trained size
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs (a quantized KV cache, kv_quantization.py)
+KV_GROUP_SIZES = (32, 64, 128)
 AUTO = "auto"  # block_size: chosen per cycle from the cost curve and acceptance (block_policy.py)
 
 
@@ -52,6 +54,13 @@ def real(value, name: str, low: Optional[float] = None, high: Optional[float] = 
     return float(value)
 
 
+def one_of(value, name: str, allowed: tuple) -> int:
+    """An integer that is one of ``allowed``."""
+    if integer(value, name) not in allowed:
+        raise DFlashError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value}")
+    return int(value)
+
+
 def optional(check: Callable) -> Callable:
     """``check`` for a value that may also be None."""
     return lambda value, name: None if value is None else check(value, name)
@@ -71,6 +80,9 @@ RULES: dict[str, Callable] = {
     "presence_penalty": optional(real),
     "frequency_penalty": optional(real),
     "draft_vocab": optional(lambda v, n: integer(v, n, low=1)),
+    "kv_bits": optional(lambda v, n: one_of(v, n, KV_BITS)),
+    "kv_group_size": lambda v, n: one_of(v, n, KV_GROUP_SIZES),
+    "quantized_kv_start": lambda v, n: integer(v, n, low=0),
 }
 
 

@@ -1,0 +1,112 @@
+"""A quantized KV cache (kv_bits): token-identical to mlx-lm's generate_step
+run with the same kv_bits, kv_group_size and quantized_kv_start, whatever
+the drafts' acceptance, with exact rollback."""
+
+import mlx.core as mx
+import pytest
+from checkpoints import write_draft, write_target
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
+from test_loop import OracleProposer
+
+from dflash_mlx import Target, generate, load_draft
+from dflash_mlx.decoder import SpeculativeDecoder
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.kv_quantization import KVQuantization, prefill_chunks
+
+HEAD_DIM = 32  # the tiny targets' 16 is below MLX's smallest quantization group
+PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 250, 3, 77]  # 11 tokens
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """family -> (mlx-lm model, tokenizer, draft) with head_dim 32."""
+    out = {}
+    for family in ("llama", "qwen3_5"):
+        target_dir = tmp_path_factory.mktemp(f"kv-target-{family}")
+        config = write_target(target_dir, family, head_dim=HEAD_DIM)
+        draft_dir = tmp_path_factory.mktemp(f"kv-draft-{family}")
+        write_draft(draft_dir, config, block_size=8)
+        model, tokenizer = mlx_lm_load(str(target_dir))
+        out[family] = (model, tokenizer, load_draft(str(draft_dir)))
+    return out
+
+
+def mlx_lm_tokens(model, n, kv: KVQuantization, step: int) -> list[int]:
+    return [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=n, prefill_step_size=step,
+                                        kv_bits=kv.bits, kv_group_size=kv.group_size,
+                                        quantized_kv_start=kv.start)]
+
+
+class Oracle(OracleProposer):
+    """The continuation, corrupted at ``corrupt_at`` when the block reaches it."""
+
+    def propose(self, y, block_size):
+        saved = self.corrupt_at
+        if saved is not None and saved >= block_size - 1:
+            self.corrupt_at = None
+        try:
+            return super().propose(y, block_size)
+        finally:
+            self.corrupt_at = saved
+
+
+# start 0: from the second pass on; 10: inside the prompt (its last prefill
+# chunk, 8..11, would straddle it); 16: inside the decode (a block would straddle it)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("start", [0, 10, 16])
+def test_every_acceptance_length_is_mlx_lm_with_the_same_kv_quantization(pairs, family, start):
+    model, _, _ = pairs[family]
+    kv = KVQuantization(bits=4, group_size=32, start=start)
+    want = mlx_lm_tokens(model, TOKENS + 8, kv, step=4)
+    plain = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=TOKENS)]
+    assert want[:TOKENS] != plain, "the quantization changes nothing here: the test proves nothing"
+    target = Target(model)
+    for block_size, corrupt_at in [(2, None), (2, 0), (6, None), (6, 0), (6, 2)]:
+        oracle = Oracle(len(PROMPT), want, corrupt_at, target.vocab_size)
+        decoder = SpeculativeDecoder(target, oracle, [0], block_size, prefill_step_size=4, kv=kv)
+        out, accepted = [decoder.prefill(mx.array(PROMPT))], []
+        while len(out) < TOKENS:
+            cycle = decoder.cycle()
+            out += cycle.tokens
+            accepted.append(cycle.accepted)
+        assert out[:TOKENS] == want[:TOKENS], (block_size, corrupt_at)
+        if corrupt_at != 0:
+            assert max(accepted) > 0
+        kinds = [type(c) for c in decoder.cache]
+        assert QuantizedKVCache in kinds
+        assert all(k in (QuantizedKVCache, ArraysCache) for k in kinds)
+        offsets = [c.offset for c in decoder.cache if isinstance(c, QuantizedKVCache)]
+        assert offsets == [len(decoder.tokens)] * len(offsets)  # rolled back exactly
+
+
+def test_generate_with_kv_bits_is_mlx_lm_with_kv_bits(pairs):
+    model, tokenizer, draft = pairs["llama"]
+    kv = KVQuantization(bits=8, group_size=32, start=12)
+    want = mlx_lm_tokens(model, TOKENS, kv, step=2048)
+    for block_size in (3, 8):
+        res = generate(model, draft, tokenizer, PROMPT, max_tokens=TOKENS, block_size=block_size,
+                       kv_bits=8, kv_group_size=32, quantized_kv_start=12)
+        assert res.tokens == want[: len(res.tokens)] and len(res.tokens) == TOKENS
+
+
+def test_bad_kv_options_are_one_line_errors(pairs):
+    model, tokenizer, draft = pairs["llama"]
+    for options, words in [(dict(kv_bits=7), "kv_bits must be one of"),
+                           (dict(kv_bits=4, kv_group_size=48), "kv_group_size must be one of"),
+                           (dict(kv_bits=4, kv_group_size=64), "does not divide the target's head dimension"),
+                           (dict(kv_bits=4, kv_group_size=32, tree_budget=4), "not a DDTree"),
+                           (dict(kv_bits=4, quantized_kv_start=-1), "quantized_kv_start must be")]:
+        with pytest.raises(DFlashError, match=words):
+            generate(model, draft, tokenizer, PROMPT, max_tokens=2, **options)
+
+
+def test_prefill_chunks_feed_the_last_token_alone_as_mlx_lm_does():
+    assert prefill_chunks(0, 10, 4, False) == [(0, 4), (4, 8), (8, 10)]
+    assert prefill_chunks(0, 10, 4, True) == [(0, 4), (4, 8), (8, 9), (9, 10)]
+    assert prefill_chunks(0, 9, 4, True) == [(0, 4), (4, 8), (8, 9)]
+    assert prefill_chunks(3, 4, 4, True) == [(3, 4)]
+    kv = KVQuantization(4, 32, start=10)
+    assert [kv.block(p, 4) for p in (5, 6, 7, 10)] == [4, 4, 3, 4]
