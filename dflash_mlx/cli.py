@@ -36,12 +36,20 @@ GENERATE_FLAGS = {
     "max_tokens": "--max-tokens", "prefill_step_size": "--prefill-step-size", "temperature": "--temp",
     "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed",
     "repetition_penalty": "--repetition-penalty", "draft_vocab": "--draft-vocab",
+    "kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start",
 }
 MAX_TOKENS = 256  # generate's default
 DEMO_MAX_TOKENS = 128  # the demo pair's: a tiny model's text is worth reading only so far
 DEMO_STOPS = ("\n\n\n", "\n\ndef ", "\n\nclass ", "\n\n@", "\n\nif ")  # its first top-level block ends
 DRAFT_DTYPE_HELP = ("Dtype the draft computes in: auto (float32 on M1/M2, which emulate bfloat16; else the "
                     "checkpoint's), keep, float32, bfloat16 or float16. `dflash-mlx doctor` shows the choice.")
+# a quantized KV cache (dflash_mlx/kv_quantization.py): the same options on generate, bench and serve
+KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's attention KV cache to 4 or 8 bits (also 2, 3, "
+                       "5, 6) once it holds --quantized-kv-start tokens, as mlx-lm's --kv-bits does: the output "
+                       "equals mlx-lm's with the same KV options. Default: full precision.")
+KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", help="--kv-bits: elements per quantization group (32, 64 or 128).")
+QUANTIZED_KV_START = typer.Option(5000, "--quantized-kv-start",
+                                  help="--kv-bits: tokens of context before the cache is quantized (mlx-lm's default).")
 THINKING_HELP = ("Pass enable_thinking=True/False to the chat template. Default: the registry's "
                  "choice for the pair (what its draft was trained on), else the template's own.")
 
@@ -149,6 +157,9 @@ def generate(
                                     "(docs/distributed.md); only rank 0 prints.",
     ),
     draft_dtype: str = typer.Option("auto", "--draft-dtype", help=DRAFT_DTYPE_HELP),
+    kv_bits: Optional[int] = KV_BITS,
+    kv_group_size: int = KV_GROUP_SIZE,
+    quantized_kv_start: int = QUANTIZED_KV_START,
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
     demo = model is None  # the bundled pair (without --draft; resolve_pair below checks that)
@@ -158,7 +169,8 @@ def generate(
         stop = list(DEMO_STOPS) if demo else []
     options = dict(max_tokens=max_tokens, prefill_step_size=prefill_step_size, temperature=temp,
                    top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                   repetition_penalty=repetition_penalty, draft_vocab=draft_vocab)
+                   repetition_penalty=repetition_penalty, draft_vocab=draft_vocab, kv_bits=kv_bits,
+                   kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     try:
         from . import validate
         from .draft import DraftConfig
@@ -168,6 +180,8 @@ def generate(
         validate.options(options, GENERATE_FLAGS)
         choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
         tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
+        if tree_budget and kv_bits is not None:
+            raise DFlashError("--kv-bits runs with the chain, not a DDTree; leave out --tree-budget or --kv-bits")
         block_size = validate.block_option(block_size, "--block-size")
         text = _read_prompt(prompt)
         for value, name in [(system or "", "--system text"), *((s, "--stop string") for s in stop)]:
