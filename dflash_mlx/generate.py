@@ -46,6 +46,7 @@ class GenerationResponse:
     finish_reason: Optional[str] = None  # "stop" | "length" | None
     block_size: int = 0  # block verified this cycle (0 for the prefill token, 1: a plain target step)
     drafted: int = 0  # the first ``drafted`` of ``tokens`` are accepted drafts; the rest are the target's own
+    logprobs: Optional[mx.array] = None  # [len(tokens), V] the target's log-probabilities there (logprobs=True)
 
 
 @dataclass
@@ -139,6 +140,7 @@ def stream_generate(
     tree_budget: Optional[int] = None,
     cost_curve: Optional[costs.CostCurve] = None,
     draft_vocab: Optional[int] = None,
+    logprobs: bool = False,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
@@ -166,6 +168,10 @@ def stream_generate(
     ``draft_vocab`` N drafts over the N most frequent ids of the ranking stored
     beside the draft (``draft/vocab.py``; lossless, verification keeps the full
     vocabulary); None is the full vocabulary.
+    ``logprobs=True`` gives each response the target's log-probabilities over
+    the vocabulary at each emitted token's position (``logits - logsumexp``
+    after the logits processors, before temperature and top-p/k: what mlx-lm's
+    ``generate_step`` yields), lazy, read from the verify pass at no extra pass.
     ``kv_bits`` (2-6 or 8) quantizes the target's full-attention KV caches in
     groups of ``kv_group_size`` once they hold ``quantized_kv_start`` tokens,
     as mlx-lm's ``generate_step`` does with the same three arguments, whose
@@ -223,6 +229,7 @@ def stream_generate(
             policy = FixedBlock(block_size)
         decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,
                                      prefill_step_size, sampler, context.target, context.tokens, kv)
+    decoder.keep_logprobs = logprobs
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream), \
             drained(generation_stream), contextlib.closing(decoder):
         tic = time.perf_counter()
@@ -257,6 +264,7 @@ def stream_generate(
                 finish_reason=finish,
                 block_size=used,
                 drafted=min(accepted, len(emitted)),
+                logprobs=None if decoder.logprobs is None else decoder.logprobs[: len(emitted)],
             )
             if finish:
                 return
