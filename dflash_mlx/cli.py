@@ -405,6 +405,7 @@ def bench(
     category: Optional[list[str]] = typer.Option(None, "--category", help="Only these prompt categories (repeatable)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on the CPU backend, else as stored), keep, float32, float16 or bfloat16."),
     draft_dtype: str = typer.Option("auto", "--draft-dtype", help=DRAFT_DTYPE_HELP + " Other than auto it sets the draft's dtype apart from --dtype."),
+    draft_dtype: str = typer.Option("auto", "--draft-dtype", help=DRAFT_DTYPE_HELP + " Other than auto it sets the draft's dtype apart from --dtype."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed prompts as is."),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed short run of every arm first."),

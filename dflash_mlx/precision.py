@@ -12,6 +12,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .errors import DFlashError
 
@@ -63,3 +64,11 @@ def cast_draft(draft: nn.Module, dtype: Optional[mx.Dtype]) -> nn.Module:
     if dtype is not None:
         draft.set_dtype(dtype)
     return draft
+
+
+def dtype_name(model: nn.Module) -> str:
+    """The dtype(s) of the model's floating parameters, e.g. 'float32' (a
+    quantized model's: its scales and biases; packed weights are integers)."""
+    names = {str(v.dtype).rsplit(".", 1)[-1] for _, v in tree_flatten(model.parameters())
+             if mx.issubdtype(v.dtype, mx.floating)}
+    return ", ".join(sorted(names))

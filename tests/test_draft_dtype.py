@@ -96,6 +96,24 @@ def test_generate_refuses_a_bad_draft_dtype_before_loading():
     assert "--draft-dtype must be one of" in result.output and result.output.count("\n") == 1
 
 
+def test_bench_takes_draft_dtype_apart_from_dtype_and_reports_it(target_dirs, draft_dir, tmp_path):
+    from test_bench import PROMPTS, bench_tiny_pair
+
+    _, out = bench_tiny_pair(target_dirs, draft_dir, tmp_path, PROMPTS[:1], "-n", "4", "-b", "4",
+                             "--dtype", "float32", "--draft-dtype", "float16")
+    config = json.loads(out.read_text())["config"]
+    assert (config["dtype"], config["draft_dtype"]) == ("float32", "float16")
+    _, out = bench_tiny_pair(target_dirs, draft_dir, tmp_path, PROMPTS[:1], "-n", "4", "-b", "4", "--dtype", "float32")
+    assert json.loads(out.read_text())["config"]["draft_dtype"] == "float32"  # auto: the draft follows --dtype
+
+
+@pytest.mark.parametrize("args, wanted", [(["--draft-dtype", "half"], "--draft-dtype must be one of"),
+                                          (["--predict", "--preset", "qwen3.5-9b", "--draft-dtype", "float32"],
+                                           "--draft-dtype applies to a measured run")])
+def test_bench_refuses_a_bad_draft_dtype_in_one_line(args, wanted):
+    one_error_line(cli("bench", *args), wanted)
+
+
 def test_doctor_says_which_dtype_drafts_compute_in():
     result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 0

@@ -7,6 +7,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..cost_curve import CostCurve, cache_key, cache_path, cost_curve
+from ..precision import dtype_name
 from ..registry import resolve_pair
 from .render import console
 
@@ -26,29 +27,32 @@ def print_curve(curve: CostCurve, out, title: str) -> None:
     out.print(t)
 
 
-def load_pair(pair, dtype: str):
+def load_pair(pair, dtype: str, draft_dtype: str = "auto"):
     """(target model, tokenizer, draft, dtype used) for a resolved pair: ``auto``
     is float32 on the CPU backend (its fast matmuls) and the checkpoints' own
-    dtype elsewhere, ``keep`` the checkpoints' own."""
+    dtype elsewhere, ``keep`` the checkpoints' own. ``draft_dtype`` (``--draft-dtype``)
+    other than auto sets the draft's instead (``precision.choose_draft_dtype``)."""
     from ..loading import load, load_draft
 
     target, tokenizer = load(pair.target)
-    draft = load_draft(pair.draft)
+    draft = load_draft(pair.draft, dtype=draft_dtype)
     if dtype == "auto":
         dtype = "float32" if mx.default_device() == mx.cpu else "keep"
     if dtype != "keep":
         target.set_dtype(getattr(mx, dtype))
-        draft.set_dtype(getattr(mx, dtype))
+        if draft_dtype == "auto":
+            draft.set_dtype(getattr(mx, dtype))
     return target, tokenizer, draft, dtype
 
 
-def main_calibrate(*, model: Optional[str], draft: Optional[str], dtype: str, out=None, err=None) -> CostCurve:
+def main_calibrate(*, model: Optional[str], draft: Optional[str], dtype: str, draft_dtype: str = "auto",
+                   out=None, err=None) -> CostCurve:
     from ..target import Target
 
     out = out or console()
     err = err or console(stderr=True)
     pair = resolve_pair(model, draft)
-    target_model, _, dft, dtype = load_pair(pair, dtype)
+    target_model, _, dft, dtype = load_pair(pair, dtype, draft_dtype)
     target = Target(target_model)
     mx.eval(target_model.parameters(), dft.parameters())
     held = mx.get_active_memory()
@@ -57,7 +61,8 @@ def main_calibrate(*, model: Optional[str], draft: Optional[str], dtype: str, ou
     curve = cost_curve(target, dft, refresh=True)
     seconds = time.perf_counter() - tic
     name = "checkpoint dtype" if dtype == "keep" else dtype
-    print_curve(curve, out, f"cost per cycle on this machine: {pair.target} + {pair.draft}, {name}")
+    print_curve(curve, out, f"cost per cycle on this machine: {pair.target} + {pair.draft}, {name} "
+                            f"(draft {dtype_name(dft)})")
     gb = 1024**3
     err.print(f"measured in {seconds:.2f} s; memory: {held / gb:.3f} GB held by the models, peak "
               f"{mx.get_peak_memory() / gb:.3f} GB while measuring, {mx.get_active_memory() / gb:.3f} GB "

@@ -11,6 +11,7 @@ from ..chat import has_template, thinking_note
 from ..cost_curve import cost_curve
 from ..draft import DraftConfig, is_dflash2
 from ..errors import DFlashError
+from ..precision import choose_draft_dtype, dtype_name
 from ..registry import read_config, resolve_pair
 from ..target import Target
 from .calibrate import load_pair, main_calibrate
@@ -69,18 +70,21 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
          predict: bool, tau: Optional[float], tree_tau: Optional[float], results: Optional[str],
          preset: Optional[str], chip: Optional[list[str]], context: int,
          neural_accelerators: bool, overhead_ms: float, calibrate: bool, synthetic: bool,
-         draft_vocab: Optional[int] = None) -> None:
+         draft_vocab: Optional[int] = None, draft_dtype: str = "auto") -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed."""
     sizes = parse_block_sizes(block_size)
     budgets = parse_tree_budgets(tree_budget)
     if dtype not in ("auto", "keep", *DTYPES):
         raise DFlashError(f"--dtype must be auto, keep, {', '.join(DTYPES)}; got '{dtype}'")
+    choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
+    if draft_dtype != "auto" and (predict or synthetic):
+        raise DFlashError("--draft-dtype applies to a measured run or --calibrate, not --predict or --synthetic")
     if sum((calibrate, predict, synthetic)) > 1:
         raise DFlashError("--calibrate, --predict and --synthetic are separate modes: give one")
     if budgets and (calibrate or synthetic):
         raise DFlashError("--tree-budget applies to a measured run or --predict, not --calibrate or --synthetic")
     if calibrate:
-        main_calibrate(model=model, draft=draft, dtype=dtype)
+        main_calibrate(model=model, draft=draft, dtype=dtype, draft_dtype=draft_dtype)
         return
     if synthetic:
         if sizes and validate.AUTO in sizes:
@@ -118,7 +122,7 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
              tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit,
              categories=category, dtype=dtype, chat_template=not no_chat_template,
              enable_thinking=thinking, warmup=warmup, json_out=json_out, plot_out=plot_out,
-             draft_vocab=draft_vocab)
+             draft_vocab=draft_vocab, draft_dtype=draft_dtype)
 
 
 def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
@@ -126,12 +130,13 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
              repeat: int, limit: Optional[int], categories: Optional[list[str]], dtype: str,
              chat_template: bool, enable_thinking: Optional[bool], warmup: bool,
              json_out: Optional[str], plot_out: Optional[str], draft_vocab: Optional[int] = None,
-             err=None, out=None) -> dict:
+             draft_dtype: str = "auto", err=None, out=None) -> dict:
     """The measured benchmark: prompts and pair resolved, block sizes checked
     against the draft's config and tree budgets against the target's context
     length before the models load; the tables, then the JSON report and the
     chart. Each tree runs at the first fixed block size given, else at the
-    draft's trained size. ``enable_thinking`` None takes the registry's."""
+    draft's trained size. ``enable_thinking`` None takes the registry's;
+    ``draft_dtype`` other than auto sets the draft's dtype apart from ``dtype``."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
@@ -151,7 +156,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
             validate.tree_budget(budget, context, "--tree-budget")
     dflash_arms = arms(block_sizes, tree_budgets, tree_block)
     thinking = pair.enable_thinking if enable_thinking is None else enable_thinking
-    target, tokenizer, dft, dtype = load_pair(pair, dtype)
+    target, tokenizer, dft, dtype = load_pair(pair, dtype, draft_dtype)
     if chat_template and has_template(tokenizer):
         err.print(thinking_note(thinking), markup=False, highlight=False)
     if validate.AUTO in block_sizes:  # measured (or read) here, off the clock of every run
@@ -180,7 +185,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
               "repeat": repeat, **sampling, "dtype": "checkpoint" if dtype == "keep" else dtype,
               "chat_template": chat_template, "enable_thinking": thinking, "prompts": prompts,
               "categories": categories, "limit": limit, "warmup": warmup,
-              "draft_trained_block_size": trained, "draft_vocab": draft_vocab,
+              "draft_trained_block_size": trained, "draft_vocab": draft_vocab, "draft_dtype": dtype_name(dft),
               "draft_architecture": "dflash2" if is_dflash2(draft_config) else "v1"}
     report = make_report(result, config, machine_info())
     validate_report(report)
