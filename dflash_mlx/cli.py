@@ -440,6 +440,7 @@ def serve(
     prefix_cache_gb: float = typer.Option(2.0, "--prefix-cache-gb", help="Memory for reusing earlier requests' caches (0: off)."),
     block_size: str = typer.Option("auto", "--block-size", "-b", help="Tokens per draft block: auto (chosen each cycle from measured costs and acceptance) or 2 to twice the draft's trained size."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Draft over the N most frequent ids (the ranking beside the draft; see `dflash-mlx draft-vocab`)."),
+    distributed: Optional[str] = typer.Option(None, "--distributed", help="tensor or pipeline: shard the target over the processes mlx.launch started (docs/distributed.md); rank 0 serves HTTP, the others follow."),
 ):
     """OpenAI-compatible HTTP server (chat and text completions, streaming) over one DFlash pair."""
     _call(".server.command", "main", **locals())

@@ -115,10 +115,27 @@ def session(mode: Optional[str]) -> Iterator[Optional[Launch]]:
         yield launch
 
 
-def broadcast(values: mx.array, group: mx.distributed.Group) -> mx.array:
-    """Rank 0's ``values`` on every rank (the others pass any array of the same shape and dtype)."""
+class LostRank(DFlashError):
+    """A rank of the group stopped, or its machine cannot be reached."""
+
+
+@contextlib.contextmanager
+def lost_rank_errors(group: mx.distributed.Group) -> Iterator[None]:
+    """MLX's error for a peer that went away, as one ``LostRank`` line naming this rank."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not str(e).startswith(BACKEND_ERRORS):
+            raise
+        raise LostRank(f"rank {group.rank()}: the distributed group lost a rank ({_one_line(e)}); "
+                       "see the other ranks' output for why") from None
+
+
+def broadcast(values: mx.array, group: mx.distributed.Group, stream=mx.cpu) -> mx.array:
+    """Rank 0's ``values`` on every rank (the others pass any array of the same
+    shape and dtype). ``stream``: the one whose queued collectives it must follow."""
     mine = values if group.rank() == 0 else mx.zeros_like(values)
-    return mx.distributed.all_sum(mine, group=group, stream=mx.cpu)
+    return mx.distributed.all_sum(mine, group=group, stream=stream)
 
 
 def shared_seed(seed: Optional[int], group: mx.distributed.Group) -> int:
@@ -194,17 +211,11 @@ def stream_generate(target: Target, draft: DFlashDraft, tokenizer, prompt, group
         raise DFlashError("--tree-budget is not supported with --distributed; drop it to decode a chain")
     if kwargs.get("draft_vocab") is not None:
         raise DFlashError("--draft-vocab is not supported with --distributed; drop it to draft over the full vocabulary")
-    with Watchdog(timeout, group.rank()) as watchdog:
-        try:
-            kwargs["seed"] = shared_seed(kwargs.get("seed"), group)
-            if kwargs.get("block_size", validate.AUTO) == validate.AUTO:
-                kwargs["cost_curve"] = shared_cost_curve(target, draft, group, kwargs.get("cost_curve"))
-            for response in stream_generate_on_this_rank(target, draft, tokenizer, prompt, **kwargs):
-                watchdog.beat()
-                yield response
-        except RuntimeError as e:
-            if not str(e).startswith(BACKEND_ERRORS):
-                raise
-            raise DFlashError(f"rank {group.rank()}: the distributed group lost a rank ({_one_line(e)}); "
-                              "see the other ranks' output for why") from None
+    with Watchdog(timeout, group.rank()) as watchdog, lost_rank_errors(group):
+        kwargs["seed"] = shared_seed(kwargs.get("seed"), group)
+        if kwargs.get("block_size", validate.AUTO) == validate.AUTO:
+            kwargs["cost_curve"] = shared_cost_curve(target, draft, group, kwargs.get("cost_curve"))
+        for response in stream_generate_on_this_rank(target, draft, tokenizer, prompt, **kwargs):
+            watchdog.beat()
+            yield response
 

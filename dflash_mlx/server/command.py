@@ -38,11 +38,29 @@ def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache
 
 def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_tokens_limit: int,
          api_key: Optional[str], max_queue: int, prefix_cache_gb: float, block_size: str,
-         draft_vocab: Optional[int] = None) -> None:
+         draft_vocab: Optional[int] = None, distributed: Optional[str] = None) -> None:
     """``dflash-mlx serve``: resolve the pair (the demo pair without --model)
-    and serve it; progress goes to stderr."""
-    serve(resolve_pair(model, draft), host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb,
-          block_option(block_size, "--block-size"), draft_vocab)
+    and serve it; progress goes to stderr. ``distributed``: the target is
+    sharded over the ranks mlx.launch started; rank 0 serves, the others follow."""
+    from ..distributed import session, talks
+
+    pair, block = resolve_pair(model, draft), block_option(block_size, "--block-size")
+    with session(distributed) as launch:
+        if launch is not None and not talks(launch.group):
+            check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block, draft_vocab, api_key)
+            make_engine(pair, block, max_queue, prefix_cache_gb, draft_vocab, launch).follow()
+            return
+        serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb, block, draft_vocab, launch)
+
+
+def make_engine(pair: Pair, block_size: Union[int, str, None], max_queue: int, prefix_cache_gb: float,
+                draft_vocab: Optional[int], launch=None):
+    """The engine of ``pair``; on a rank of ``launch`` (``distributed.Launch``), the group's."""
+    from .distributed import GroupEngine
+    from .engine import Engine
+
+    args = (pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9), draft_vocab)
+    return Engine(*args) if launch is None else GroupEngine(launch, *args)
 
 
 def _log(message: str) -> None:
@@ -86,13 +104,13 @@ class Server(uvicorn.Server):
 
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limit: int = 4096,
           api_key: Optional[str] = None, max_queue: int = 32, prefix_cache_gb: float = 2.0,
-          block_size: Union[int, str, None] = "auto", draft_vocab: Optional[int] = None) -> None:
+          block_size: Union[int, str, None] = "auto", draft_vocab: Optional[int] = None, launch=None) -> None:
     """Check the options and the address, load ``pair`` on the worker thread,
     then serve it until SIGINT or SIGTERM (DFlashError for a bad option, an
     address it cannot listen on or a bad pair). On the signal it stops
-    accepting, ends every request still in flight with a 503 error and returns."""
+    accepting, ends every request still in flight with a 503 error and returns.
+    ``launch``: rank 0 of a distributed launch, whose other ranks follow."""
     from .app import Settings, create_app
-    from .engine import Engine
 
     check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size, draft_vocab, api_key)
     sock = bind(host, port)
@@ -101,7 +119,7 @@ def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limi
             _log("no --model given: serving the bundled demo pair (offline); pass --model for a real model")
         if host not in LOOPBACK and api_key is None:
             _log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
-        engine = Engine(pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9), draft_vocab)
+        engine = make_engine(pair, block_size, max_queue, prefix_cache_gb, draft_vocab, launch)
         _log(f"loading {pair.target} with draft {pair.draft}")
         engine.start()
         name = "dflash-mlx-demo" if pair.demo else pair.target
@@ -119,5 +137,7 @@ def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limi
             engine.stop()
             for s, handler in quiet.items():
                 signal.signal(s, handler)
+        if getattr(engine, "lost", None):  # a rank of the group stopped: the server shut itself down
+            raise DFlashError(engine.lost)
     finally:
         sock.close()

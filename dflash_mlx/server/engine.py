@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..chat import encode
 from ..errors import DFlashError
-from ..generate import check_pair, generate, stream_generate
+from ..generate import check_pair, stream_generate
 from ..loading import load, load_draft
 from ..target import Target
 from .prefix_cache import PrefixCache
@@ -196,17 +196,33 @@ class Engine:
                 self._jobs.discard(job)
 
     def _load(self) -> None:
-        model, self.tokenizer = load(self.model_id)
+        self.target, self.tokenizer = self._load_target()
         self.draft = load_draft(self.draft_id)
-        self.target = Target(model)
         check_pair(self.target, self.draft)
         self.vocab_size = self.target.vocab_size
         self.context_length = getattr(self.target.args, "max_position_embeddings", None)
         # one cycle through the whole pipeline: a bad option fails here, not in every request
-        generate(self.target, self.draft, self.tokenizer, encode(self.tokenizer, "hello"),
-                 max_tokens=2, block_size=self.block_size, draft_vocab=self.draft_vocab)
-        self.prefix_cache = PrefixCache(self.target, self.draft, self.prefix_cache_bytes)
+        for _ in self._stream(encode(self.tokenizer, "hello"), max_tokens=2):
+            pass
+        self.prefix_cache = self._prefix_cache()
         self._update_stats()
+
+    def _load_target(self) -> tuple[Target, object]:
+        """The target and its tokenizer (server/distributed.py loads it sharded)."""
+        model, tokenizer = load(self.model_id)
+        return Target(model), tokenizer
+
+    def _prefix_cache(self) -> PrefixCache:
+        return PrefixCache(self.target, self.draft, self.prefix_cache_bytes)
+
+    def _stream(self, prompt: list[int], **kwargs):
+        """``stream_generate`` over this engine's pair, block size and drafting vocabulary."""
+        return stream_generate(self.target, self.draft, self.tokenizer, prompt, block_size=self.block_size,
+                               draft_vocab=self.draft_vocab, **kwargs)
+
+    def _cancelled(self, job: Job) -> bool:
+        """Whether the request decoding stops at this cycle boundary (its client went away)."""
+        return job.cancelled.is_set()
 
     def _update_stats(self) -> None:
         self.stats = {
@@ -250,11 +266,7 @@ class Engine:
         stops = StopMatcher(request.stop)
         mark, snapshot = self.prefix_cache.mark(context, request.prompt, self.tokenizer)
         finish = "cancelled"
-        responses = stream_generate(
-            self.target, self.draft, self.tokenizer, request.prompt,
-            block_size=self.block_size, max_tokens=request.max_tokens, draft_vocab=self.draft_vocab,
-            context=context, **request.sampling,
-        )
+        responses = self._stream(request.prompt, max_tokens=request.max_tokens, context=context, **request.sampling)
         try:
             for i, r in enumerate(responses):
                 if i > 0:
@@ -269,7 +281,7 @@ class Engine:
                 if stopped or r.finish_reason:
                     finish = "stop" if stopped else r.finish_reason
                     break
-                if job.cancelled.is_set():
+                if self._cancelled(job):
                     break
         finally:
             responses.close()

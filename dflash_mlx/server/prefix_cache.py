@@ -145,10 +145,14 @@ class PrefixCache:
                 pass
         return n, [list(c.cache) if isinstance(c, ArraysCache) else None for c in context.target]
 
+    def size(self, context: ContextCache, snapshot: Optional[list]) -> int:
+        """Bytes an entry of ``context`` and ``snapshot`` counts against the budget."""
+        return _nbytes(context, snapshot)
+
     def put(self, context: ContextCache, prompt_len: int, snapshot: Optional[list]) -> None:
         """Keep ``context`` (whose recurrent states were ``snapshot`` at
         ``prompt_len``) as the most recent entry; evict to stay in budget."""
-        entry = Entry(context, prompt_len, snapshot, _nbytes(context, snapshot))
+        entry = Entry(context, prompt_len, snapshot, self.size(context, snapshot))
         if not context.tokens or entry.nbytes > self.budget:
             return
         self.entries[self._next_key] = entry
