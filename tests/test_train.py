@@ -15,9 +15,9 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, Target, generate, load_draft
-from dflash_mlx.draft import DFlashDraft
 from dflash_mlx.train.command import train_draft
 from dflash_mlx.train.config import DraftTrainConfig, draft_config_for
+from dflash_mlx.train.dflash2 import initial_draft
 from dflash_mlx.train.data import SequenceData, StreamData, corpus_stream
 from dflash_mlx.train.loop import OptimConfig, fit, list_checkpoints, lr_schedule
 from dflash_mlx.train.objective import DraftObjective, draft_train_forward, sample_anchors
@@ -50,15 +50,31 @@ TINY = dict(num_layers=2, block_size=8, seq_len=48, batch_size=4, blocks_per_seq
             eval_prompts=2, eval_tokens=24)
 
 
+DFLASH2 = dict(arch="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8)
+
+
+def shaken(draft):
+    """A DFlash2 draft's convolutions moved off the identity they start at, so
+    that a test of the network sees them."""
+    for layer in draft.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = 0.5 * mx.random.normal(conv.base_kernel.shape)
+            conv.kernel_projection.weight = 0.05 * mx.random.normal(conv.kernel_projection.weight.shape)
+    return draft
+
+
 @pytest.mark.parametrize("sliding_window", [None, 5])
-def test_training_forward_equals_cached_inference_block_by_block(sliding_window):
+@pytest.mark.parametrize("arch", [{}, DFLASH2])
+def test_training_forward_equals_cached_inference_block_by_block(sliding_window, arch):
     model, _ = build_target("qwen3_5")
     target = Target(model)
     config = draft_config_for(
-        target, DraftTrainConfig(num_layers=2, block_size=8, sliding_window=sliding_window), 511
+        target, DraftTrainConfig(num_layers=2, block_size=8, sliding_window=sliding_window, **arch), 511
     )
     mx.random.seed(1)
-    draft = DFlashDraft(config)
+    draft = initial_draft(config)
+    if arch:
+        shaken(draft)
     x = mx.random.randint(0, 500, (2, 40))
     feats = target.forward(x, None, config.target_layer_ids).features
     anchors = np.array([[3, 10, 20, 30], [1, 5, 17, 32]])
@@ -102,9 +118,7 @@ def _objective(hybrid, corpus, **over):
 
 def _fresh_draft(config, seed=0):
     mx.random.seed(seed)
-    draft = DFlashDraft(config)
-    mx.eval(draft.parameters())
-    return draft
+    return initial_draft(config)
 
 
 def test_a_few_steps_lower_the_loss(hybrid, corpus, tmp_path):
@@ -115,8 +129,9 @@ def test_a_few_steps_lower_the_loss(hybrid, corpus, tmp_path):
     assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:3]), losses
 
 
-def test_checkpoint_resumes_bit_identically(hybrid, corpus, tmp_path):
-    _, config, objective = _objective(hybrid, corpus)
+@pytest.mark.parametrize("arch", [{}, DFLASH2])
+def test_checkpoint_resumes_bit_identically(hybrid, corpus, tmp_path, arch):
+    _, config, objective = _objective(hybrid, corpus, **arch)
     cfg = OptimConfig(steps=6, learning_rate=3e-3, warmup_steps=2, checkpoint_every=2,
                       grad_accum=2, log_every=1)
     straight = _fresh_draft(config)
@@ -285,6 +300,10 @@ def test_cli_trains_resumes_and_exports(target_dirs, corpus, tmp_path):
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--data", "X", "--block-size", "1"], "--block-size"),
     (["--data", "X", "--target-layer-ids", "1,a"], "--target-layer-ids"),
+    (["--data", "X", "--arch", "dflash3"], "--arch"),
+    (["--data", "X", "--arch", "dflash2", "--selector", "64,0"], "--selector's k"),
+    (["--data", "X", "--arch", "dflash2", "--conv", "2"], "--conv"),
+    (["--data", "X", "--arch", "dflash2", "--selector-weight", "nan"], "--selector-weight"),
 ])
 def test_cli_train_bad_input_is_one_error_line(target_dirs, tmp_path, extra, fragment):
     from typer.testing import CliRunner

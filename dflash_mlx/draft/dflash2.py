@@ -144,6 +144,16 @@ class DFlash2Draft(DFlashDraft):
                 out[f"{key}.weight"] = out.pop(key)
         return out
 
+    @staticmethod
+    def hf_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Our weights under z-lab's names (``sanitize``'s inverse): the codebooks without ``.weight``."""
+        out = dict(weights)
+        for name in CODEBOOKS:
+            key = f"candidate_selector.{name}"
+            if f"{key}.weight" in out:
+                out[key] = out.pop(f"{key}.weight")
+        return out
+
 
 def network_class(config: DraftConfig) -> type:
     """The draft network a parsed config describes."""

@@ -31,9 +31,10 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embedding(vocab_size, rank)
 
     def candidates(self, logits: mx.array) -> mx.array:
-        """C_j: the top-k ids [n, k] of each row of logits [n, V], unordered."""
+        """C_j: the top-k ids [n, k] of each row of logits [n, V], unordered
+        (a choice, so no gradient flows through it when training)."""
         k = min(self.top_k, logits.shape[-1])
-        return mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        return mx.stop_gradient(mx.argpartition(-logits, k - 1, axis=-1)[:, :k])
 
     def prepare(self, hidden: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(C [n, k], z over C [n, k], e_j * S[c] [n, k, R]) from normed hidden

@@ -8,6 +8,7 @@ written draft (``export``).
 
 import contextlib
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -16,11 +17,11 @@ import mlx.core as mx
 
 from .. import validate
 from ..atomic import check_output, write_text
-from ..draft import DFlashDraft
 from ..errors import DFlashError
 from ..target import Target
-from .config import DraftTrainConfig, draft_config_for, mask_token_id
+from .config import ARCHS, DraftTrainConfig, draft_config_for, mask_token_id
 from .data import prepare_data
+from .dflash2 import initial_draft
 from .evaluate import evaluate_tau
 from .export import export_hf, save_draft
 from .loop import OptimConfig, fit, list_checkpoints
@@ -118,7 +119,7 @@ def train_draft(
     if train.seq_len <= config.block_size + 1:
         raise DFlashError(f"--seq-len must exceed the block size + 1, got {train.seq_len}")
 
-    meta = {"target": str(model_path), "draft": config.to_dict(), "train": asdict(train),
+    meta = {"target": str(model_path), "draft": config.to_dict(), "train": train.settings(),
             "optim": asdict(optim_cfg), "data": [str(Path(d).expanduser().resolve()) for d in data]}
     _check_resumable(out, json.loads(json.dumps(meta)), resume)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,8 +128,7 @@ def train_draft(
             target, tokenizer, data, train, out, optim_cfg.seed, eval_prompt_paths, reuse_cache=resume
         )
         mx.random.seed(optim_cfg.seed)
-        draft = DFlashDraft(config)
-        mx.eval(draft.parameters())
+        draft = initial_draft(config)
         objective = DraftObjective(target, config, train, dataset, optim_cfg.seed)
         evals = []
 
@@ -166,6 +166,17 @@ def train_draft(
         return result
 
 
+def parse_ints(text: str, option: str, count: int) -> list[int]:
+    """'2,16' -> [2, 16]: exactly ``count`` comma-separated integers."""
+    try:
+        values = [int(t) for t in text.replace(" ", "").split(",")]
+    except ValueError:
+        values = []
+    if len(values) != count:
+        raise DFlashError(f"{option} takes {count} comma-separated integers, got '{text}'")
+    return values
+
+
 def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:
     """'1,4,7' -> [1, 4, 7]; None or '' -> None (the published default)."""
     if not text:
@@ -180,7 +191,8 @@ def run_cli(
     *, model: str, out: str, data: list[str], self_distill: bool, layers: int,
     target_layer_ids: Optional[str], block_size: int, mask_token_id: Optional[int],
     heads: Optional[int], kv_heads: Optional[int], head_dim: Optional[int],
-    intermediate_size: Optional[int], sliding_window: Optional[int], steps: int,
+    intermediate_size: Optional[int], sliding_window: Optional[int], arch: str, conv: str,
+    selector: str, selector_weight: float, steps: int,
     batch_size: int, seq_len: int, blocks_per_seq: int, gamma: float, lr: float,
     warmup: int, min_lr_ratio: float, weight_decay: float, grad_accum: int, grad_clip: float,
     num_prompts: int, distill_tokens: int, cache_features: bool, eval_prompts: Optional[list[str]], eval_count: int,
@@ -190,12 +202,20 @@ def run_cli(
     """``dflash-mlx train``: build the configs from command-line values and train."""
     if not data:
         raise DFlashError("give training data with --data (text or JSONL files or directories)")
+    conv_kernel_size, conv_group_size = parse_ints(conv, "--conv", 2)
+    selector_rank, selector_top_k = parse_ints(selector, "--selector", 2)
     for name, value in (("--steps", steps), ("--batch-size", batch_size), ("--layers", layers),
-                        ("--blocks-per-seq", blocks_per_seq), ("--grad-accum", grad_accum)):
+                        ("--blocks-per-seq", blocks_per_seq), ("--grad-accum", grad_accum),
+                        ("--conv's K", conv_kernel_size), ("--conv's GS", conv_group_size),
+                        ("--selector's R", selector_rank), ("--selector's k", selector_top_k)):
         if value <= 0:
             raise DFlashError(f"{name} must be positive, got {value}")
     if block_size < 2:
         raise DFlashError(f"--block-size must be at least 2, got {block_size}")
+    if arch not in ARCHS:
+        raise DFlashError(f"--arch must be {' or '.join(ARCHS)}, got '{arch}'")
+    if not selector_weight >= 0 or not math.isfinite(selector_weight):
+        raise DFlashError(f"--selector-weight must be a non-negative number, got {selector_weight}")
     if hf_dtype not in ("bfloat16", "float16", "float32"):
         raise DFlashError(f"--hf-dtype must be bfloat16, float16 or float32, got '{hf_dtype}'")
     train = DraftTrainConfig(
@@ -206,7 +226,9 @@ def run_cli(
         blocks_per_seq=blocks_per_seq, gamma=gamma, self_distill=self_distill,
         num_prompts=num_prompts, distill_tokens=distill_tokens, cache_features=cache_features,
         eval_prompts=eval_count,
-        eval_tokens=eval_tokens, eval_every=eval_every,
+        eval_tokens=eval_tokens, eval_every=eval_every, arch=arch, conv_kernel_size=conv_kernel_size,
+        conv_group_size=conv_group_size, selector_rank=selector_rank, selector_top_k=selector_top_k,
+        selector_weight=selector_weight,
     )
     optim_cfg = OptimConfig(
         steps=steps, learning_rate=lr, warmup_steps=min(warmup, steps), min_lr_ratio=min_lr_ratio,

@@ -1,12 +1,16 @@
 """What a draft is trained for: its shape, objective and data settings, and the
-``DraftConfig`` it gets for a given target."""
+``DraftConfig`` (``DFlash2Config`` for ``arch="dflash2"``) it gets for a given target."""
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..draft import FULL, SLIDING, DraftConfig, default_target_layer_ids
+from ..draft import FULL, SLIDING, DFlash2Config, DraftConfig, default_target_layer_ids
 from ..errors import DFlashError
 from ..target import Target
+
+
+ARCHS = ("dflash", "dflash2")
+DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass
@@ -14,6 +18,7 @@ class DraftTrainConfig:
     """What to train (the draft's shape) and on what."""
 
     # draft shape
+    arch: str = "dflash"  # or "dflash2": conv-wrapped sublayers and a candidate selector
     num_layers: int = 1
     target_layer_ids: Optional[list[int]] = None  # default: the published spreading rule
     block_size: int = 16
@@ -40,6 +45,22 @@ class DraftTrainConfig:
     eval_prompts: int = 8
     eval_tokens: int = 128
     eval_every: int = 0  # checkpoints between evals; 0: at the end only
+    # DFlash2 only (docs/dflash2.md): conv taps K and channels per dynamic tap,
+    # the selector's rank R and candidates k, and the weight of its loss
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    selector_weight: float = 1.0
+
+    def settings(self) -> dict:
+        """The settings a resumed run must share (a v1 run's omit the DFlash2
+        fields, so v1 runs written before they existed still resume)."""
+        out = asdict(self)
+        if self.arch == "dflash":
+            for name in ("arch", *DFLASH2_OPTIONS, "selector_weight"):
+                out.pop(name)
+        return out
 
 
 def _text_args(model):
@@ -68,7 +89,11 @@ def draft_config_for(target: Target, cfg: DraftTrainConfig, mask_token_id: int) 
     layer_types = [FULL] * n
     if cfg.sliding_window:
         layer_types = [SLIDING] * (n - 1) + [FULL]
-    config = DraftConfig(
+    if cfg.arch not in ARCHS:
+        raise DFlashError(f"unknown draft architecture '{cfg.arch}'; choose {' or '.join(ARCHS)}")
+    dflash2 = {name: getattr(cfg, name) for name in DFLASH2_OPTIONS} if cfg.arch == "dflash2" else {}
+    config = (DFlash2Config if dflash2 else DraftConfig)(
+        **dflash2,
         hidden_size=H,
         num_hidden_layers=n,
         num_attention_heads=heads,

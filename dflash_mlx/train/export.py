@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import save_config
 
 from ..atomic import staged_output
-from ..draft import DFlashDraft
+from ..draft import DFlash2Draft, DFlashDraft
 from ..errors import DFlashError
 from .loop import all_finite
 
@@ -36,9 +36,12 @@ def save_draft(draft: DFlashDraft, path: Path, dtype: Optional[str] = None) -> P
 
 def export_hf(draft: DFlashDraft, path: Path, dtype: str = "bfloat16") -> Path:
     """The z-lab Hugging Face layout (newer config dialect, PyTorch-style
-    safetensors), as vLLM and SGLang load DFlash drafts."""
+    safetensors), as vLLM and SGLang load DFlash drafts; a DFlash2 draft's
+    config names ``DFlash2DraftModel`` and its codebooks lose ``.weight``."""
     c = draft.config
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(draft.parameters())}
+    if isinstance(draft, DFlash2Draft):
+        weights = draft.hf_weights(weights)
     config = {
         **c.to_dict(),
         "hidden_act": "silu",

@@ -28,10 +28,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..draft import DFlashDraft, DraftConfig, visible
+from ..draft import DFlash2Draft, DFlashDraft, DraftConfig, visible
 from ..target import Target
 from .config import DraftTrainConfig
 from .data import SequenceData
+from .dflash2 import selector_loss
 from .progress import log
 
 
@@ -86,7 +87,9 @@ def draft_train_forward(
     ctx = draft.hidden_norm(draft.fc(features))
     offsets = anchors.reshape(-1)
     masks = {}
-    h = block_embeddings
+    scale = draft.config.input_embedding_scale
+    h = block_embeddings if scale == 1.0 else block_embeddings * scale
+    per_block = lambda t: t.reshape(B * m, b, -1)  # a DFlash2 conv runs inside each block
     for layer in draft.layers:
         attn = layer.self_attn
         key = (attn.sliding_window, attn.causal)
@@ -95,15 +98,26 @@ def draft_train_forward(
             masks[key] = (context_mask(anchors, T, b, attn.sliding_window),
                           visible(relative, relative, attn.sliding_window, attn.causal))
         kc, vc = attn.keys_values(ctx, 0)  # [B, nkv, T, hd] at positions 0..T-1
-        x = layer.input_layernorm(h).reshape(B * m, b, -1)
-        q = attn.q_norm(attn.q_proj(x).reshape(B * m, b, attn.n_heads, -1))
-        q = attn.rope(q.transpose(0, 2, 1, 3), offset=offsets)  # [B*m, nh, b, hd]
-        kb, vb = attn.keys_values(x, offsets)  # [B*m, nkv, b, hd] at anchor..anchor+b-1
-        split = lambda t: t.reshape(B, m, *t.shape[1:])
-        out = _block_attention(split(q), kc, vc, split(kb), split(vb), *masks[key], attn.scale)
-        h = h + attn.o_proj(out.reshape(B, m * b, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+        def attend(x):  # x: [B*m, b, H]
+            q = attn.q_norm(attn.q_proj(x).reshape(B * m, b, attn.n_heads, -1))
+            q = attn.rope(q.transpose(0, 2, 1, 3), offset=offsets)  # [B*m, nh, b, hd]
+            kb, vb = attn.keys_values(x, offsets)  # [B*m, nkv, b, hd] at anchor..anchor+b-1
+            split = lambda t: t.reshape(B, m, *t.shape[1:])
+            out = _block_attention(split(q), kc, vc, split(kb), split(vb), *masks[key], attn.scale)
+            return attn.o_proj(out.reshape(B * m, b, -1))
+
+        u = per_block(layer.input_layernorm(h))
+        h = h + _wrapped(layer, "attention_conv", u, attend).reshape(h.shape)
+        u = per_block(layer.post_attention_layernorm(h))
+        h = h + _wrapped(layer, "mlp_conv", u, layer.mlp).reshape(h.shape)
     return draft.norm(h)
+
+
+def _wrapped(layer, conv: str, u: mx.array, sublayer) -> mx.array:
+    """sublayer(u), inside the layer's convolution where it has one (DFlash2)."""
+    wrap = getattr(layer, conv, None)
+    return sublayer(u) if wrap is None else wrap(u, sublayer)
 
 
 def position_weights(block_size: int, gamma: float) -> mx.array:
@@ -177,21 +191,36 @@ class DraftObjective:
             feats = self._features(mx.array(x))
         rows = np.arange(len(x))[:, None, None]
         idx_blk = anchors[:, :, None] + np.arange(b)[None, None, :]  # [B, m, b]
-        block = x[rows, idx_blk].copy()
-        labels = block[:, :, 1:].copy()
+        tokens = x[rows, idx_blk]  # the blocks' true tokens: anchors, then the labels
+        block = tokens.copy()
         block[:, :, 1:] = self.config.mask_token_id
         emb = self.target.embed(mx.array(block.reshape(len(x), -1)))
         anchors_mx = mx.array(anchors.astype(np.int32))
         mx.eval(feats, emb)
-        return emb, feats, anchors_mx, mx.array(labels), int(labels.size)
+        return emb, feats, anchors_mx, mx.array(tokens), int(tokens[:, :, 1:].size)
 
-    def loss(self, draft, emb, feats, anchors, labels):
-        hidden = draft_train_forward(draft, emb, feats, anchors)
+    def block_rows(self, draft, emb, feats, anchors) -> tuple[mx.array, mx.array]:
+        """(normed hidden [B, m, b-1, H], scaled logits [B, m, b-1, V]) of every
+        block's rows 1..b-1: the logits the draft proposes from (and a DFlash2
+        selector scores)."""
         B, m = anchors.shape
-        b = self.config.block_size
-        hidden = hidden.reshape(B, m, b, -1)[:, :, 1:]
-        logits = self.target.logits(hidden)
-        ce = nn.losses.cross_entropy(logits, labels, reduction="none")  # [B, m, b-1]
-        w = self.weights
-        loss = (ce * w).sum() / (w.sum() * B * m)
+        hidden = draft_train_forward(draft, emb, feats, anchors)
+        hidden = hidden.reshape(B, m, self.config.block_size, -1)[:, :, 1:]
+        return hidden, draft.scale_logits(self.target.logits(hidden))
+
+    def loss(self, draft, emb, feats, anchors, tokens):
+        """The weighted block cross-entropy, plus ``selector_weight`` times the
+        selector's loss for a DFlash2 draft (``dflash2.selector_loss``)."""
+        hidden, logits = self.block_rows(draft, emb, feats, anchors)
+        loss = block_loss(logits, tokens, self.weights)
+        if isinstance(draft, DFlash2Draft) and self.train.selector_weight:
+            loss = loss + self.train.selector_weight * selector_loss(draft, hidden, logits, tokens, self.weights)
+        B, m = anchors.shape
         return loss, mx.array(float(B * m))
+
+
+def block_loss(logits: mx.array, tokens: mx.array, weights: mx.array) -> mx.array:
+    """Cross-entropy of rows 1..b-1 against the true continuation, weighted by
+    block position and averaged over blocks. logits [..., b-1, V], tokens [..., b]."""
+    ce = nn.losses.cross_entropy(logits, tokens[..., 1:], reduction="none")
+    return (ce * weights).sum() / (weights.sum() * ce[..., 0].size)
