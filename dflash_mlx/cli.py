@@ -409,7 +409,6 @@ def bench(
     category: Optional[list[str]] = typer.Option(None, "--category", help="Only these prompt categories (repeatable)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (float32 on the CPU backend, else as stored), keep, float32, float16 or bfloat16."),
     draft_dtype: str = typer.Option("auto", "--draft-dtype", help=DRAFT_DTYPE_HELP + " Other than auto it sets the draft's dtype apart from --dtype."),
-    draft_dtype: str = typer.Option("auto", "--draft-dtype", help=DRAFT_DTYPE_HELP + " Other than auto it sets the draft's dtype apart from --dtype."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed prompts as is."),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="One untimed short run of every arm first."),
@@ -422,11 +421,14 @@ def bench(
     results: Optional[str] = typer.Option(None, "--results", help="--predict: take tau (and the pair) from a bench --json report."),
     preset: Optional[str] = typer.Option(None, "--preset", help="--predict: a published model instead of --model/--draft (qwen3.5-4b, qwen3.5-9b, qwen3.5-27b-4bit, qwen3.5-35b-a3b-4bit)."),
     chip: Optional[list[str]] = typer.Option(None, "--chip", help="--predict: only these chips (e.g. 'M5 Max'); default: all."),
-    context: int = typer.Option(1024, "--context", help="--predict: tokens of context (KV cache read per pass)."),
+    context: Optional[list[str]] = typer.Option(None, "--context", help="Context lengths in tokens, e.g. 1k,4k,8k (k = 1024); repeat or comma-separate. A measured run uses 3 prompts of each length (--limit N: N) cut from Python's standard library sources instead of --prompts, skips a length past the target's context, and adds a table per context; --synthetic measures the random target at each; --predict prices one (default 1024)."),
     neural_accelerators: bool = typer.Option(False, "--neural-accelerators", help="--predict: M5 chips at Apple's claimed GPU Neural Accelerator matmul rate."),
     overhead_ms: float = typer.Option(0.0, "--overhead-ms", help="--predict: fixed cost added to every forward pass."),
     synthetic: bool = typer.Option(False, "--synthetic", help="No model: a random ~200M-parameter target built in memory, decoded with oracle drafts right for all, half or none of each block; prints the loop's efficiency (measured over ideal speedup)."),
     calibrate: bool = typer.Option(False, "--calibrate", help="No run: measure the pair's cost per cycle at each block size on this machine (what --block-size auto uses), cache and print it."),
+    kv_bits: Optional[int] = KV_BITS,
+    kv_group_size: int = KV_GROUP_SIZE,
+    quantized_kv_start: int = QUANTIZED_KV_START,
 ):
     """Baseline (mlx-lm), DFlash chains and DDTrees side by side: speedup, tau, acceptance, memory, identity."""
     _call(".bench.command", "main", **locals())

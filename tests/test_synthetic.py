@@ -27,3 +27,18 @@ def test_the_loop_keeps_90_percent_of_the_ideal_speedup():
     rows = main_synthetic([4, 16], max_tokens=128)
     low = [(r["mode"], r["block_size"], round(r["efficiency"], 3)) for r in rows if r["efficiency"] < 0.9]
     assert not low, f"loop efficiency below 0.9: {low}"
+
+
+def test_the_oracle_runs_after_a_long_prompt():
+    rows = run_synthetic([4], max_tokens=20, model=synthetic_target(**TINY), context=300)
+    assert [(r.context, r.mode) for r in rows] == [(300, m) for m in MODES]
+    tau = {r.mode: r.tau for r in rows}
+    assert tau["none"] == 1.0 and 2.5 <= tau["full"] <= 4
+
+
+@pytest.mark.slow
+def test_the_loop_keeps_90_percent_of_the_ideal_speedup_at_8k_and_16k_context():
+    rows = main_synthetic([4, 16], max_tokens=64, contexts=[8192, 16384])
+    low = [(r["context"], r["mode"], r["block_size"], round(r["efficiency"], 3))
+           for r in rows if r["efficiency"] < 0.9]
+    assert not low, f"loop efficiency below 0.9: {low}"

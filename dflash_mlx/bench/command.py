@@ -16,6 +16,7 @@ from ..registry import read_config, resolve_pair
 from ..target import Target
 from .calibrate import load_pair, main_calibrate
 from .cost_model import context_length
+from .long_context import PROMPTS_PER_CONTEXT, context_prompts, context_summary, fitting, parse_context, render_contexts
 from .predict import main_predict
 from .prompts import select_prompts
 from .render import console, plot, render
@@ -26,7 +27,8 @@ from .synthetic import main_synthetic
 
 DTYPES = ("float32", "float16", "bfloat16")
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p",
-         "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "draft_vocab": "--draft-vocab"}
+         "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "draft_vocab": "--draft-vocab",
+         "kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
 
 
 def _listed(values: Optional[list[str]], parse: Callable, name: str) -> list:
@@ -57,6 +59,11 @@ def _budget(text: str) -> Optional[int]:
     return validate.tree_budget(value, None, "--tree-budget")
 
 
+def parse_contexts(values: Optional[list[str]]) -> list[int]:
+    """``--context``: token counts such as 4096 or 4k (4 x 1024)."""
+    return _listed(values, parse_context, "--context")
+
+
 def parse_tree_budgets(values: Optional[list[str]]) -> list[int]:
     """``--tree-budget``: integers >= 1, or 0 for the chain (which every run has)."""
     return _listed(values, _budget, "--tree-budget")
@@ -68,12 +75,23 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
          category: Optional[list[str]], dtype: str, no_chat_template: bool,
          thinking: Optional[bool], warmup: bool, json_out: Optional[str], plot_out: Optional[str],
          predict: bool, tau: Optional[float], tree_tau: Optional[float], results: Optional[str],
-         preset: Optional[str], chip: Optional[list[str]], context: int,
+         preset: Optional[str], chip: Optional[list[str]], context: Optional[list[str]],
          neural_accelerators: bool, overhead_ms: float, calibrate: bool, synthetic: bool,
-         draft_vocab: Optional[int] = None, draft_dtype: str = "auto") -> None:
+         draft_vocab: Optional[int] = None, draft_dtype: str = "auto", kv_bits: Optional[int] = None,
+         kv_group_size: int = 64, quantized_kv_start: int = 5000) -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed."""
     sizes = parse_block_sizes(block_size)
     budgets = parse_tree_budgets(tree_budget)
+    contexts = parse_contexts(context)
+    kv = None
+    if kv_bits is not None:
+        kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+        validate.options(kv, FLAGS)
+        if calibrate or synthetic or budgets:
+            raise DFlashError("--kv-bits applies to a measured run of the chain or --predict, "
+                              "not --calibrate, --synthetic or --tree-budget")
+    if contexts and calibrate:
+        raise DFlashError("--context applies to a measured run, --synthetic or --predict, not --calibrate")
     if dtype not in ("auto", "keep", *DTYPES):
         raise DFlashError(f"--dtype must be auto, keep, {', '.join(DTYPES)}; got '{dtype}'")
     choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
@@ -90,7 +108,7 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
         if sizes and validate.AUTO in sizes:
             raise DFlashError("--synthetic measures fixed block sizes; leave 'auto' out of --block-size")
         validate.options({"max_tokens": max_tokens}, FLAGS)
-        main_synthetic(sizes or [16], max_tokens)
+        main_synthetic(sizes or [16], max_tokens, contexts or None)
         return
     if json_out:
         check_output_file(json_out, "--json")
@@ -98,9 +116,11 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     if predict:
         if sizes and validate.AUTO in sizes:
             raise DFlashError("--predict prices fixed block sizes; leave 'auto' out of --block-size")
+        if len(contexts) > 1:
+            raise DFlashError("--predict prices one context: give one --context value")
         main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
                      block_sizes=sizes, tree_budgets=budgets, tree_tau=tree_tau, chips=chip,
-                     context=context, dtype=None if dtype in ("auto", "keep") else dtype,
+                     context=contexts[0] if contexts else 1024, kv=kv, dtype=None if dtype in ("auto", "keep") else dtype,
                      neural=neural_accelerators, overhead_ms=overhead_ms, json_out=json_out,
                      draft_vocab=draft_vocab)
         return
@@ -122,7 +142,7 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
              tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit,
              categories=category, dtype=dtype, chat_template=not no_chat_template,
              enable_thinking=thinking, warmup=warmup, json_out=json_out, plot_out=plot_out,
-             draft_vocab=draft_vocab, draft_dtype=draft_dtype)
+             draft_vocab=draft_vocab, draft_dtype=draft_dtype, contexts=contexts, kv=kv)
 
 
 def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
@@ -130,19 +150,23 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
              repeat: int, limit: Optional[int], categories: Optional[list[str]], dtype: str,
              chat_template: bool, enable_thinking: Optional[bool], warmup: bool,
              json_out: Optional[str], plot_out: Optional[str], draft_vocab: Optional[int] = None,
-             draft_dtype: str = "auto", err=None, out=None) -> dict:
+             draft_dtype: str = "auto", contexts: Optional[list[int]] = None, kv: Optional[dict] = None,
+             err=None, out=None) -> dict:
     """The measured benchmark: prompts and pair resolved, block sizes checked
     against the draft's config and tree budgets against the target's context
     length before the models load; the tables, then the JSON report and the
     chart. Each tree runs at the first fixed block size given, else at the
     draft's trained size. ``enable_thinking`` None takes the registry's;
-    ``draft_dtype`` other than auto sets the draft's dtype apart from ``dtype``."""
+    ``draft_dtype`` other than auto sets the draft's dtype apart from ``dtype``.
+    ``contexts``: instead of ``prompts``, ``limit`` (default 3) prompts of each
+    of these token lengths (``long_context.py``), each that fits the target,
+    and the per-context table; ``kv``: both sides quantize the KV cache."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
     err = err or console(stderr=True)
     out = out or console()
-    chosen = select_prompts(prompts, categories, limit)
+    chosen = None if contexts else select_prompts(prompts, categories, limit)
     pair = resolve_pair(model, draft)
     draft_config = read_config(pair.draft, "draft")
     trained = DraftConfig.from_dict(draft_config).block_size
@@ -155,8 +179,12 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
         for budget in tree_budgets:
             validate.tree_budget(budget, context, "--tree-budget")
     dflash_arms = arms(block_sizes, tree_budgets, tree_block)
+    if contexts:
+        contexts = fitting(contexts, max_tokens, context_length(read_config(pair.target, "target")), warn)
     thinking = pair.enable_thinking if enable_thinking is None else enable_thinking
     target, tokenizer, dft, dtype = load_pair(pair, dtype, draft_dtype)
+    if contexts:
+        chosen = context_prompts(tokenizer, contexts, limit or PROMPTS_PER_CONTEXT)
     if chat_template and has_template(tokenizer):
         err.print(thinking_note(thinking), markup=False, highlight=False)
     if validate.AUTO in block_sizes:  # measured (or read) here, off the clock of every run
@@ -178,7 +206,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
         result = run_bench(target, dft, tokenizer, chosen, arms=dflash_arms,
                            max_tokens=max_tokens, repeat=repeat, sampling=sampling,
                            chat_template=chat_template, enable_thinking=thinking,
-                           warmup_tokens=16 if warmup else 0, on_step=on_step, draft_vocab=draft_vocab)
+                           warmup_tokens=16 if warmup else 0, on_step=on_step, draft_vocab=draft_vocab, kv=kv)
         progress.advance(task)
     config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,
               "block_sizes": block_sizes, "tree_budgets": tree_budgets, "tree_block_size": tree_block,
@@ -186,10 +214,14 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
               "chat_template": chat_template, "enable_thinking": thinking, "prompts": prompts,
               "categories": categories, "limit": limit, "warmup": warmup,
               "draft_trained_block_size": trained, "draft_vocab": draft_vocab, "draft_dtype": dtype_name(dft),
-              "draft_architecture": "dflash2" if is_dflash2(draft_config) else "v1"}
+              "draft_architecture": "dflash2" if is_dflash2(draft_config) else "v1",
+              "contexts": contexts, "kv": kv}
     report = make_report(result, config, machine_info())
     validate_report(report)
     render(report, out)
+    if contexts:
+        report["contexts"] = context_summary(result["runs"], result["pairs"], dflash_arms, contexts)
+        render_contexts(report["contexts"], out)
     if json_out:
         write_json(report, json_out)
         err.print(f"wrote {json_out}")

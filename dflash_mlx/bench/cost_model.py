@@ -218,8 +218,12 @@ def _build_target(config: dict):
         raise DFlashError(f"cannot build the target from its config: {' '.join(str(e).split())}") from None
 
 
-def target_profile(config: dict, dtype: Optional[str] = None) -> TargetProfile:
-    """Costs of a target from its config.json (weights are never read)."""
+def target_profile(config: dict, dtype: Optional[str] = None,
+                   kv: Optional[tuple[int, int]] = None) -> TargetProfile:
+    """Costs of a target from its config.json (weights are never read). ``kv``
+    (bits, group size): the KV cache is quantized as mlx-lm's QuantizedKVCache
+    stores it, ``bits`` per element plus a scale and a bias per group in the
+    cache's dtype."""
     model = _build_target(config)
     text = text_config(config)
     nbytes = _dtype_bytes(config, dtype)
@@ -266,7 +270,8 @@ def target_profile(config: dict, dtype: Optional[str] = None) -> TargetProfile:
         head_bytes=head_b, head_flops=2.0 * vocab * hidden,
         embed_row_bytes=embed_b / vocab,
         expert_bytes=expert_b, expert_flops=expert_f, num_experts=num_experts, experts_per_token=k,
-        kv_bytes_per_pos=kv_dims * nbytes, attn_flops_per_pos=4.0 * heads * head_dim * attn_layers,
+        kv_bytes_per_pos=kv_dims * (nbytes if kv is None else kv[0] / 8 + 2 * nbytes / kv[1]),
+        attn_flops_per_pos=4.0 * heads * head_dim * attn_layers,
         state_bytes=4.0 * state * linear_layers, state_flops=7.0 * state * linear_layers,
         weight_bytes=sum(size(n, s) for n, s in shapes.items()),
     )

@@ -108,12 +108,14 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
                  chips: Optional[list[str]], context: int, dtype: Optional[str], neural: bool,
                  overhead_ms: float, json_out: Optional[str], tree_budgets: Optional[list[int]] = None,
                  tree_tau: Optional[float] = None, draft_vocab: Optional[int] = None,
-                 out=None, err=None) -> dict:
+                 kv: Optional[dict] = None, out=None, err=None) -> dict:
     """Predict, print the table and return (and with ``json_out`` write) the report.
     ``dtype`` None keeps the checkpoints' own. A tree arm's tau is ``tree_tau``,
     else the one measured in ``results`` for that budget and block, else the
     chain's at its block (no gain: the table then shows what the tree costs).
-    ``draft_vocab`` N: the draft multiplies by N of the LM head's rows."""
+    ``draft_vocab`` N: the draft multiplies by N of the LM head's rows.
+    ``kv`` (``kv_bits``, ``kv_group_size``, ``quantized_kv_start``): the target's
+    KV cache is read quantized when ``context`` reaches the start."""
     out = out or console()
     err = err or console(stderr=True)
     validate.integer(context, "--context", low=0)
@@ -128,7 +130,9 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
     target_cfg, draft_cfg, names, published, preset_tau = _configs(model, draft, preset, measured)
     for budget in tree_budgets or []:
         validate.tree_budget(budget, cm.context_length(target_cfg), "--tree-budget")
-    tp, dp = cm.target_profile(target_cfg, dtype), cm.draft_profile(draft_cfg, dtype)
+    quantized = kv is not None and context >= kv["quantized_kv_start"]
+    tp = cm.target_profile(target_cfg, dtype, (kv["kv_bits"], kv["kv_group_size"]) if quantized else None)
+    dp = cm.draft_profile(draft_cfg, dtype)
     vocab = int(cm.text_config(target_cfg)["vocab_size"])
     if draft_vocab is not None and validate.integer(draft_vocab, "--draft-vocab", low=1) > vocab:
         raise DFlashError(f"--draft-vocab must be at most the target's vocabulary size {vocab}, got {draft_vocab}")
@@ -190,12 +194,17 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
             rows.append(_row(pred, chip, kind, vs_chain=pred.dflash_tps / chain.dflash_tps,
                              break_even_tau=pred.tau * chain.dflash_tps / pred.dflash_tps))
     _print(out, rows, arms, tp, dp, names, context, neural, preset, published, (draft_vocab, vocab))
+    if kv is not None:
+        how = (f"{kv['kv_bits']}-bit in groups of {kv['kv_group_size']}" if quantized else
+               f"full precision: below --quantized-kv-start {kv['quantized_kv_start']}")
+        out.print(f"the target's KV cache at {context} tokens: {tp.kv_bytes_per_pos * context / 1e9:.3f} GB "
+                  f"read per pass, {how} (--kv-bits)")
     report = {"schema": "dflash-mlx-predict", "schema_version": 1,
               "target": {"name": names[0], "params": tp.params, "weight_bytes": tp.weight_bytes},
               "draft": {"name": names[1], "architecture": dp.architecture, "params": dp.params,
                         "weight_bytes": dp.weight_bytes, "selector_top_k": dp.selector_top_k or None},
               "context": context, "neural_accelerators": neural, "overhead_ms": overhead_ms,
-              "draft_vocab": draft_vocab,
+              "draft_vocab": draft_vocab, "kv": kv, "kv_quantized": quantized,
               "published_speedup": published, "predictions": rows,
               "chips": [{"name": c.name, "gpu_cores": c.gpu_cores, "bandwidth_gbs": c.bandwidth_gbs,
                          "fp32_tflops": c.fp32_tflops, "neural_tflops": c.neural_tflops,

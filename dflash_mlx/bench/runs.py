@@ -61,8 +61,10 @@ def _fresh() -> None:
     mx.reset_peak_memory()
 
 
-def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: dict) -> dict:
-    """mlx-lm's ``stream_generate`` on the target alone."""
+def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: dict,
+                 kv: Optional[dict] = None) -> dict:
+    """mlx-lm's ``stream_generate`` on the target alone (``kv``: its kv_bits,
+    kv_group_size and quantized_kv_start)."""
     import mlx.core as mx
     from mlx_lm import stream_generate as mlx_lm_stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -73,7 +75,7 @@ def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: di
         mx.random.seed(sampling["seed"])
     _fresh()
     responses, first, total = _timed(
-        mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler))
+        mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, **(kv or {})))
     # the last response carries the EOS token itself when generation stopped on it
     tokens = [r.token for r in responses if r.finish_reason != "stop"]
     last = responses[-1] if responses else None
@@ -81,7 +83,8 @@ def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: di
 
 
 def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_size: int,
-               sampling: dict, tree_budget: Optional[int] = None, draft_vocab: Optional[int] = None) -> dict:
+               sampling: dict, tree_budget: Optional[int] = None, draft_vocab: Optional[int] = None,
+               kv: Optional[dict] = None) -> dict:
     """DFlash ``stream_generate`` (a DDTree of ``tree_budget`` nodes per cycle
     if given, else the chain; drafting over ``draft_vocab`` ids if given); adds
     the per-cycle accepted draft counts."""
@@ -92,7 +95,7 @@ def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_s
         model, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens,
         temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
         min_p=sampling["min_p"], seed=sampling.get("seed"), tree_budget=tree_budget,
-        draft_vocab=draft_vocab))
+        draft_vocab=draft_vocab, **(kv or {})))
     tokens = [t for r in responses for t in r.tokens]
     last = responses[-1] if responses else None
     rec = _record(len(ids), tokens, last.finish_reason if last else None, first, total, last)
@@ -106,7 +109,7 @@ def run_bench(
     repeat: int = 1, sampling: Optional[dict] = None, chat_template: bool = True,
     enable_thinking: Optional[bool] = None, warmup_tokens: int = 16,
     on_step: Optional[Callable[[str], None]] = None, runners: Optional[dict] = None,
-    draft_vocab: Optional[int] = None,
+    draft_vocab: Optional[int] = None, kv: Optional[dict] = None,
 ) -> dict:
     """Run the schedule over the DFlash ``arms``; returns prompts, runs, pairs
     and the summary.
@@ -117,6 +120,8 @@ def run_bench(
     progress display. ``runners`` replaces ``{"baseline": run_baseline, "dflash":
     run_dflash}`` (tests give the baseline another target, for instance).
     ``draft_vocab`` N: every DFlash arm drafts over the N top-ranked ids.
+    ``kv``: both sides quantize the KV cache with these mlx-lm arguments. A
+    prompt with ``ids`` is fed as those ids, without a chat template.
     """
     sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0, **(sampling or {})}
     runners = {BASELINE: run_baseline, DFLASH: run_dflash, **(runners or {})}
@@ -131,15 +136,17 @@ def run_bench(
             validate.integer(arm.block_size, "block size", low=2)
         if arm.tree_budget is not None:
             validate.integer(arm.tree_budget, "tree budget", low=1)
-    encoded = [template_ids(tokenizer, p["prompt"], enable_thinking=enable_thinking) if chat_template
+    encoded = [p["ids"] if "ids" in p
+               else template_ids(tokenizer, p["prompt"], enable_thinking=enable_thinking) if chat_template
                else encode(tokenizer, p["prompt"]) for p in prompts]
+    quantized = {"kv": kv} if kv else {}
 
     def call(step: Step, tokens: int) -> dict:
         ids = encoded[step.prompt]
         if step.arm == BASELINE:
-            return runners[BASELINE](model, tokenizer, ids, tokens, sampling)
+            return runners[BASELINE](model, tokenizer, ids, tokens, sampling, **quantized)
         return runners[DFLASH](model, draft, tokenizer, ids, tokens, step.block_size, sampling,
-                               tree_budget=step.tree_budget, draft_vocab=draft_vocab)
+                               tree_budget=step.tree_budget, draft_vocab=draft_vocab, **quantized)
 
     if warmup_tokens > 0:  # untimed: weights paged in, kernels and buffers allocated
         for step in schedule(1, 1, arms):
@@ -157,7 +164,8 @@ def run_bench(
                      "tree_budget": step.tree_budget, **rec})
     pairs = make_pairs(runs, compare=sampling["temperature"] == 0)
     return {
-        "prompts": [{**p, "prompt_tokens": len(ids)} for p, ids in zip(prompts, encoded)],
+        "prompts": [{**{k: v for k, v in p.items() if k != "ids"}, "prompt_tokens": len(ids)}
+                    for p, ids in zip(prompts, encoded)],
         "runs": runs,
         "pairs": pairs,
         "summary": summarize(runs, pairs, arms),

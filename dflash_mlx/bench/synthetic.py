@@ -11,10 +11,13 @@ with t_AR mlx-lm's time per token, t_verify(b) one target pass over b tokens
 and t_draft(b) the oracle's proposal; the loop's efficiency is the measured
 speedup (DFlash tok/s over mlx-lm's) divided by it: what per-cycle overhead
 (acceptance, rollback, bookkeeping, the host sync) leaves of the passes' work.
+With ``--context`` the prompt has that many tokens (the target's positions
+are raised to fit), so t_AR, t_verify and the loop all run at that context.
 """
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -42,6 +45,7 @@ RUNS = 2  # timed runs per mlx-lm and DFlash figure
 
 @dataclass
 class Row:
+    context: int  # prompt tokens
     mode: str
     block_size: int
     tau: float
@@ -151,38 +155,42 @@ def _dflash(target: Target, oracle_args: tuple, prompt: mx.array, b: int, max_to
     return (len(out) - 1) / cycles, (len(out) - 1) / (time.perf_counter() - tic)
 
 
-def run_synthetic(block_sizes: list[int], max_tokens: int, model=None) -> list[Row]:
-    """One row per mode and block size."""
+def run_synthetic(block_sizes: list[int], max_tokens: int, model=None, context: int = PROMPT) -> list[Row]:
+    """One row per mode and block size, after a prompt of ``context`` tokens."""
     model = model or synthetic_target()
     target = Target(model)
-    prompt = mx.arange(PROMPT, dtype=mx.int32) * 7 % target.vocab_size
+    prompt = mx.arange(context, dtype=mx.int32) * 7 % target.vocab_size
     runs = [_autoregressive(model, prompt, max_tokens + max(block_sizes) + 1) for _ in range(RUNS)]
     continuation, ar_tps = runs[0][0], max(tps for _, tps in runs)
     rows = []
     for b in block_sizes:
         for mode, share in MODES.items():
-            oracle_args = (PROMPT, continuation, share, target.vocab_size)
+            oracle_args = (context, continuation, share, target.vocab_size)
             t_verify, t_draft = _pass_times(target, Oracle(*oracle_args), prompt, b)
             tau, dflash_tps = max((_dflash(target, oracle_args, prompt, b, max_tokens) for _ in range(RUNS)),
                                   key=lambda run: run[1])
-            rows.append(Row(mode, b, tau, ar_tps, dflash_tps, t_verify * 1e3, t_draft * 1e3))
+            rows.append(Row(context, mode, b, tau, ar_tps, dflash_tps, t_verify * 1e3, t_draft * 1e3))
     return rows
 
 
-def main_synthetic(block_sizes: list[int], max_tokens: int, out=None) -> list[dict]:
+def main_synthetic(block_sizes: list[int], max_tokens: int, contexts: Optional[list[int]] = None,
+                   out=None) -> list[dict]:
+    """The table for each context (default: a ``PROMPT``-token prompt)."""
     from rich.table import Table
 
     out = out or console()
-    model = synthetic_target()
-    rows = run_synthetic(block_sizes, max_tokens, model)
+    contexts = contexts or [PROMPT]
+    positions = max(CONFIG["max_position_embeddings"], max(contexts) + max_tokens + 2 * max(block_sizes))
+    model = synthetic_target(max_position_embeddings=positions)
+    rows = [r for c in contexts for r in run_synthetic(block_sizes, max_tokens, model, c)]
     params = sum(p.size for _, p in tree_flatten(model.parameters())) / 1e6
     t = Table(title=f"synthetic llama target ({params:.0f}M parameters, float32), {max_tokens} tokens, "
                     f"oracle drafts: loop efficiency = measured / ideal speedup")
-    for col in ("oracle", "block", "tau", "mlx-lm tok/s", "DFlash tok/s", "verify ms", "draft ms",
+    for col in ("context", "oracle", "block", "tau", "mlx-lm tok/s", "DFlash tok/s", "verify ms", "draft ms",
                 "ideal speedup", "measured", "efficiency"):
         t.add_column(col, justify="left" if col == "oracle" else "right")
     for r in rows:
-        t.add_row(r.mode, str(r.block_size), f"{r.tau:.2f}", f"{r.ar_tps:.1f}", f"{r.dflash_tps:.1f}",
+        t.add_row(str(r.context), r.mode, str(r.block_size), f"{r.tau:.2f}", f"{r.ar_tps:.1f}", f"{r.dflash_tps:.1f}",
                   f"{r.t_verify_ms:.2f}", f"{r.t_draft_ms:.2f}", f"{r.predicted:.2f}x",
                   f"{r.measured:.2f}x", f"{r.efficiency:.2f}")
     out.print(t)
