@@ -2,7 +2,8 @@
 
 ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` and
 ``POST /v1/completions``, streamed as server-sent events (sse-starlette,
-ending with ``data: [DONE]``) or not. A chat reply comes split into
+ending with ``data: [DONE]``) or not; Anthropic's ``POST /v1/messages`` is
+registered from ``anthropic``. A chat reply comes split into
 ``content``, ``reasoning_content`` and ``tool_calls`` (``parts``). Every
 request is checked before it is queued, so bad input gets a 4xx with an
 OpenAI-shaped error and never reaches the worker. Prompts are tokenized on a thread of their own, so a long one never
@@ -22,12 +23,14 @@ from typing import Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from .. import validate
 from ..errors import DFlashError
 from ..sampling import SamplingParams
+from . import anthropic
 from . import engine as eng
 from .errors import APIError
 from .parts import ReplySplitter
@@ -44,20 +47,27 @@ class Settings:
 
 
 class BearerAuth:
-    """ASGI middleware: every route needs ``Authorization: Bearer <key>``."""
+    """ASGI middleware: every route needs ``Authorization: Bearer <key>`` or
+    (as Anthropic's clients send it) ``x-api-key: <key>``."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
-                return await error.response()(scope, receive, send)
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+            if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), self.key):
+                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' "
+                                      "or 'x-api-key: <key>'", code="invalid_api_key")
+                return await _error_response(scope["path"], error)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _error_response(path: str, error: APIError) -> JSONResponse:
+    """The error in the shape of the API ``path`` belongs to: Anthropic's on its Messages routes."""
+    return anthropic.error_response(error) if anthropic.speaks_anthropic(path) else error.response()
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -122,20 +132,21 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
         app.add_middleware(BearerAuth, key=settings.api_key)
 
     @app.exception_handler(APIError)
-    async def api_error(_, exc: APIError):
-        return exc.response()
+    async def api_error(request: Request, exc: APIError):
+        return _error_response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError):
-        return _validation_error(exc).response()
+    async def invalid(request: Request, exc: RequestValidationError):
+        return _error_response(request.url.path, _validation_error(exc))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}").response()
+        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+        return _error_response(request.url.path, error)
 
     @app.exception_handler(Exception)
-    async def crashed(_, exc: Exception):
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    async def crashed(request: Request, exc: Exception):
+        return _error_response(request.url.path, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health():
@@ -169,6 +180,16 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
 
     async def _complete(body: Sampling, ids: list[int], request: Request, splitter: Optional[ReplySplitter]):
         """Run the request; a chat one (with a ``splitter``) replies in parts."""
+        job = _submit(body, ids)
+        reply = Reply(settings.model_name, splitter)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            # on shutdown the stream gets a moment to send its error event and [DONE]
+            return EventSourceResponse(_stream(job, reply, include_usage), sep="\n", shutdown_grace_period=3)
+        return await _collect(job, reply, request)
+
+    def _submit(body: Sampling, ids: list[int]) -> eng.Job:
+        """Queue the request's job (429 when the queue is full, 503 when shutting down)."""
         job_request = eng.Request(
             prompt=ids,
             max_tokens=_max_tokens(body, len(ids), settings, engine.context_length),
@@ -181,12 +202,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             raise APIError(429, str(e), code="queue_full") from None
         except eng.ShuttingDown as e:
             raise APIError(503, str(e), code="server_shutting_down") from None
-        reply = Reply(settings.model_name, splitter)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            # on shutdown the stream gets a moment to send its error event and [DONE]
-            return EventSourceResponse(_stream(job, reply, include_usage), sep="\n", shutdown_grace_period=3)
-        return await _collect(job, reply, request)
+        return job
 
     async def _stream(job: eng.Job, reply: "Reply", include_usage: bool):
         try:
@@ -231,6 +247,8 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
         engine.cancel(job)
         job.events.put_nowait(eng.Finished("cancelled", eng.Usage(len(job.request.prompt))))
 
+    anthropic.add_routes(app, engine, settings.model_name, settings.enable_thinking,
+                         tokenized=_tokenized, submit=_submit, watch=_cancel_on_disconnect)
     return app
 
 

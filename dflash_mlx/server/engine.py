@@ -74,6 +74,7 @@ class Delta:
 class Finished:
     finish_reason: str  # "stop" | "length" | "cancelled"
     usage: Usage
+    stop_sequence: Optional[str] = None  # the request's stop string that ended it
 
 
 @dataclass
@@ -287,4 +288,4 @@ class Engine:
             responses.close()
         # only a request that ran to a cycle boundary leaves caches worth keeping
         self.prefix_cache.put(context, mark, snapshot)
-        job.emit(Finished(finish, usage))
+        job.emit(Finished(finish, usage, stops.matched))

@@ -1,5 +1,7 @@
 """Stop strings over streamed text: found across token boundaries, never emitted."""
 
+from typing import Optional
+
 
 class StopMatcher:
     """Releases streamed text up to the first stop string.
@@ -11,16 +13,18 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.matched: Optional[str] = None  # the stop string that was reached
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was reached)."""
         if not self.stops:
             return text, False
         text = self.held + text
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        found = {s: i for s in self.stops if (i := text.find(s)) >= 0}
         if found:
             self.held = ""
-            return text[: min(found)], True
+            self.matched = min(found, key=found.get)  # the earliest; the first listed of those
+            return text[: found[self.matched]], True
         hold = max(
             (k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
              if text.endswith(s[:k])),

@@ -1,0 +1,219 @@
+"""Anthropic's Messages API on ``dflash-mlx serve``: a real server on a free
+127.0.0.1 port serving the scripted target of tests/scripted.py (its greedy
+reply is reasoning, an answer and a get_weather call, or a final answer once a
+tool result is in the context), talked to with the official ``anthropic``
+client, compared with the ``openai`` client's replies for the same conversation."""
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+from scripted import ANSWER, CALL, CALL_JSON, FINAL
+from test_server import KEY, running_server
+from test_server_tools import ASK, REASONING_TEXT, TOOLS, get_weather, pair, tokenizer  # noqa: F401 (fixtures)
+
+from dflash_mlx.chat import template_ids
+
+TOOL = {"name": "get_weather", "description": "the weather in a city",
+        "input_schema": TOOLS[0]["function"]["parameters"]}
+CALLED = ANSWER + "<tool_call>" + CALL_JSON + "</tool_call>"  # the reply's text when no tool is offered
+
+
+@pytest.fixture(scope="module")
+def server(pair, tmp_path_factory):  # noqa: F811
+    with running_server(tmp_path_factory.mktemp("server"), *pair, "--api-key", KEY, "--block-size", "4") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def chat(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _input_tokens(usage) -> int:
+    """The whole prompt: Anthropic counts the tokens read from the cache apart."""
+    return usage.input_tokens + usage.cache_read_input_tokens
+
+
+def test_text_and_thinking_equal_the_chat_routes_reply(client, chat):
+    reply = client.messages.create(model="any", max_tokens=32, messages=ASK)
+    same = chat.chat.completions.create(model="any", max_tokens=32, messages=ASK)
+    assert (reply.type, reply.role, reply.id[:4]) == ("message", "assistant", "msg_")
+    thinking, text = reply.content
+    assert (thinking.type, thinking.signature, text.type) == ("thinking", "", "text")
+    assert thinking.thinking == same.choices[0].message.model_extra["reasoning_content"] == REASONING_TEXT
+    assert text.text == same.choices[0].message.content == CALLED
+    assert (reply.stop_reason, reply.stop_sequence) == ("end_turn", None)
+    assert _input_tokens(reply.usage) == same.usage.prompt_tokens
+    assert reply.usage.output_tokens == same.usage.completion_tokens
+
+
+@pytest.mark.parametrize("system", ["be brief", [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]])
+def test_the_system_prompt_goes_first(client, tokenizer, system):  # noqa: F811
+    ids = template_ids(tokenizer, [{"role": "system", "content": "be brief"}] + ASK)
+    assert client.messages.count_tokens(model="any", system=system, messages=ASK).input_tokens == len(ids)
+    reply = client.messages.create(model="any", max_tokens=32, system=system, messages=ASK)
+    assert _input_tokens(reply.usage) == len(ids) and reply.content[-1].text == CALLED
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_ends_the_reply_and_is_named(client, stream):
+    kwargs = dict(model="any", max_tokens=32, messages=ASK, stop_sequences=["nowhere", " world"])
+    reply = _message(client, kwargs, stream)
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", " world")
+    assert [b.type for b in reply.content] == ["thinking", "text"] and reply.content[1].text == " hello"
+
+
+def test_max_tokens_cuts_the_reply(client):
+    # 3 reasoning tokens, </think>, then the answer's first token
+    reply = client.messages.create(model="any", max_tokens=5, messages=ASK)
+    assert (reply.stop_reason, reply.usage.output_tokens) == ("max_tokens", 5)
+    assert [(b.type, getattr(b, "text", None)) for b in reply.content] == [("thinking", None), ("text", " hello")]
+
+
+def test_thinking_switches_the_templates_thinking(client):
+    on = client.messages.create(model="any", max_tokens=32, messages=ASK,
+                                thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in on.content] == ["thinking", "text"] and on.content[0].thinking == REASONING_TEXT
+    off = client.messages.create(model="any", max_tokens=32, messages=ASK, tools=[TOOL],
+                                 thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text", "tool_use"] and off.content[0].text == ANSWER.lstrip()
+
+
+def _as_chat(call_id: str, arguments) -> list[dict]:
+    """The conversation of the tool use turn test in OpenAI's form."""
+    call = {"id": call_id, "type": "function", "function": {"name": CALL["name"], "arguments": arguments}}
+    return ASK + [{"role": "assistant", "content": ANSWER, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": call_id, "content": '{"temperature": 21}'}]
+
+
+def test_a_tool_use_turn_renders_as_the_chat_routes_tool_call(client, chat, tokenizer):  # noqa: F811
+    first = client.messages.create(model="any", max_tokens=32, messages=ASK, tools=[TOOL])
+    thinking, text, call = first.content
+    assert (call.type, call.name, call.input, call.id[:6]) == ("tool_use", CALL["name"], CALL["arguments"], "toolu_")
+    assert first.stop_reason == "tool_use" and text.text == ANSWER
+    history = ASK + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": '{"temperature": 21}'}]},
+    ]
+    ids = template_ids(tokenizer, _as_chat(call.id, CALL["arguments"]), tools=TOOLS)
+    assert client.messages.count_tokens(model="any", messages=history, tools=[TOOL]).input_tokens == len(ids)
+    second = client.messages.create(model="any", max_tokens=32, messages=history, tools=[TOOL])
+    # OpenAI clients send the arguments as a JSON string; the template is handed an object either way
+    same = chat.chat.completions.create(model="any", max_tokens=32, tools=TOOLS,
+                                        messages=_as_chat(call.id, json.dumps(CALL["arguments"])))
+    assert _input_tokens(second.usage) == same.usage.prompt_tokens == len(ids)
+    assert second.content[-1].text == same.choices[0].message.content == FINAL
+    assert second.stop_reason == "end_turn"
+
+
+def _message(client, kwargs: dict, stream: bool):
+    if not stream:
+        return client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as events:
+        return events.get_final_message()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"tools": [TOOL]}, {"max_tokens": 5}])
+def test_a_stream_assembles_into_the_same_message(client, kwargs):
+    kwargs = {"model": "any", "max_tokens": 32, "messages": ASK} | kwargs
+    whole, streamed = _message(client, kwargs, False), _message(client, kwargs, True)
+
+    def comparable(message):
+        content = [b.model_dump(exclude={"id"}) for b in message.content]
+        return message.model_dump(exclude={"id", "content", "usage"}), content, _input_tokens(message.usage)
+
+    assert comparable(streamed) == comparable(whole)
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_the_stream_is_anthropics_event_sequence(server):
+    body = {"model": "any", "max_tokens": 32, "messages": ASK, "tools": [TOOL], "stream": True}
+    with httpx.stream("POST", server + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    names = [line.removeprefix("event: ") for line in lines[0::2]]
+    data = [json.loads(line.removeprefix("data: ")) for line in lines[1::2]]
+    assert [d["type"] for d in data] == names
+    collapsed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+    block = ["content_block_start", "content_block_delta", "content_block_stop"]
+    assert collapsed == ["message_start", *block * 3, "message_delta", "message_stop"]
+    deltas = {}
+    for d in data:
+        if d["type"] == "content_block_delta":
+            deltas.setdefault(d["index"], []).append(d["delta"]["type"])
+    assert set(deltas[0]) == {"thinking_delta", "signature_delta"} and deltas[0][-1] == "signature_delta"
+    assert set(deltas[1]) == {"text_delta"} and deltas[2] == ["input_json_delta"]
+    assert data[0]["message"]["stop_reason"] is None and data[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def get_weather_result(call) -> dict:
+    return {"type": "tool_result", "tool_use_id": call.id, "content": json.dumps(get_weather(**call.input))}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_agent_loop_calls_a_tool_and_answers(client, stream):
+    """The loop an agent runs: ask, run each tool the model calls, send the
+    results back, until the model answers; each turn reuses the one before."""
+    messages, replies = list(ASK), []
+    while len(replies) < 4:
+        reply = _message(client, dict(model="any", max_tokens=32, messages=messages, tools=[TOOL]), stream)
+        replies.append(reply)
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        if reply.stop_reason != "tool_use":
+            break
+        messages.append({"role": "user", "content": [get_weather_result(b) for b in reply.content
+                                                     if b.type == "tool_use"]})
+    assert [r.stop_reason for r in replies] == ["tool_use", "end_turn"]
+    first, second = replies
+    assert second.content[-1].text == FINAL and '"temperature": 21' in messages[-2]["content"][0]["content"]
+    # the second prompt is the first one, its reply and the result: all but the reply's tail is cached
+    assert second.usage.cache_read_input_tokens >= _input_tokens(first.usage) - 1
+    assert _input_tokens(second.usage) > _input_tokens(first.usage) + first.usage.output_tokens
+
+
+def test_auth_takes_x_api_key_or_bearer(server):
+    wrong = anthropic.Anthropic(base_url=server, api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        wrong.messages.create(model="any", max_tokens=8, messages=ASK)
+    assert caught.value.status_code == 401 and caught.value.body["type"] == "error"
+    assert caught.value.body["error"]["type"] == "authentication_error"
+    bearer = anthropic.Anthropic(base_url=server, api_key=None, auth_token=KEY, max_retries=0, timeout=60)
+    assert bearer.messages.create(model="any", max_tokens=8, messages=ASK).stop_reason == "max_tokens"
+    # the OpenAI routes take either header too, and keep their own error shape
+    assert httpx.get(server + "/v1/models", headers={"x-api-key": KEY}, timeout=60).status_code == 200
+    assert httpx.get(server + "/v1/models", timeout=60).json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("body, status, says", [
+    ({"model": "any", "messages": ASK}, 400, "max_tokens: Field required"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "messages[0].content[0]: content blocks of type 'image' are not supported"),
+    ({"max_tokens": 8, "messages": ASK, "tools": [TOOL | {"type": "web_search_20250305"}]}, 400,
+     "tool type 'web_search_20250305' is not supported"),
+    ({"max_tokens": 99999, "messages": ASK}, 400, "max_tokens 99999 is above this server's limit"),
+    ({"max_tokens": 8, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "the last message must be"),
+    ("{not json", 400, "not valid JSON"),
+])
+def test_a_bad_request_gets_an_anthropic_error(server, body, status, says):
+    send = {"content": body} if isinstance(body, str) else {"json": body}
+    headers = {"x-api-key": KEY, "content-type": "application/json"}
+    r = httpx.post(server + "/v1/messages", **send, headers=headers, timeout=60)
+    assert r.status_code == status
+    error = r.json()
+    assert set(error) == {"type", "error"} and error["type"] == "error"
+    assert error["error"]["type"] == "invalid_request_error" and says in error["error"]["message"]
+
+
+def test_the_client_raises_on_a_bad_request(client):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        # the client has no sampling arguments of its own any more; older ones send them in the body
+        client.messages.create(model="any", max_tokens=8, messages=ASK, extra_body={"top_p": 0})
+    assert caught.value.body["error"]["type"] == "invalid_request_error" and "top_p" in caught.value.message
