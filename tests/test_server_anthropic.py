@@ -114,6 +114,27 @@ def test_a_tool_use_turn_renders_as_the_chat_routes_tool_call(client, chat, toke
     assert second.stop_reason == "end_turn"
 
 
+@pytest.mark.parametrize("content", ['{"temperature": 21}', [{"type": "text", "text": '{"temperature": 21}'}]])
+def test_a_tool_result_and_text_blocks_count_as_the_chat_route_renders_them(client, tokenizer, content):  # noqa: F811
+    history = ASK + [
+        {"role": "assistant", "content": [{"type": "text", "text": ANSWER},
+                                          {"type": "tool_use", "id": "toolu_1", "name": CALL["name"],
+                                           "input": CALL["arguments"]}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": content},
+                                     {"type": "text", "text": "and "}, {"type": "text", "text": "tomorrow?"}]},
+    ]
+    as_chat = _as_chat("toolu_1", CALL["arguments"]) + [{"role": "user", "content": "and tomorrow?"}]
+    ids = template_ids(tokenizer, as_chat, tools=TOOLS)
+    assert client.messages.count_tokens(model="any", messages=history, tools=[TOOL]).input_tokens == len(ids)
+
+
+def test_tool_choice_none_reads_no_call(client):
+    reply = client.messages.create(model="any", max_tokens=32, messages=ASK, tools=[TOOL],
+                                   tool_choice={"type": "none"})
+    assert [b.type for b in reply.content] == ["thinking", "text"] and reply.content[1].text == CALLED
+    assert reply.stop_reason == "end_turn"
+
+
 def _message(client, kwargs: dict, stream: bool):
     if not stream:
         return client.messages.create(**kwargs)
@@ -201,15 +222,18 @@ def test_auth_takes_x_api_key_or_bearer(server):
     ({"max_tokens": 99999, "messages": ASK}, 400, "max_tokens 99999 is above this server's limit"),
     ({"max_tokens": 8, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "the last message must be"),
     ("{not json", 400, "not valid JSON"),
+    ({"max_tokens": 8, "messages": ASK}, 404, "Not Found: POST /v1/messages/nowhere"),
 ])
 def test_a_bad_request_gets_an_anthropic_error(server, body, status, says):
     send = {"content": body} if isinstance(body, str) else {"json": body}
     headers = {"x-api-key": KEY, "content-type": "application/json"}
-    r = httpx.post(server + "/v1/messages", **send, headers=headers, timeout=60)
+    route = "/v1/messages" + ("/nowhere" if status == 404 else "")
+    r = httpx.post(server + route, **send, headers=headers, timeout=60)
     assert r.status_code == status
     error = r.json()
     assert set(error) == {"type", "error"} and error["type"] == "error"
-    assert error["error"]["type"] == "invalid_request_error" and says in error["error"]["message"]
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    assert error["error"]["type"] == kind and says in error["error"]["message"]
 
 
 def test_the_client_raises_on_a_bad_request(client):
