@@ -237,7 +237,9 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
         ("/v1/chat/completions", CHAT | {"temperature": -0.5}, 400, "temperature"),
         ("/v1/chat/completions", CHAT | {"top_p": 0}, 400, "top_p"),
         ("/v1/chat/completions", CHAT | {"max_tokens": MAX_TOKENS_LIMIT + 1}, 400, "above this server's limit"),
-        ("/v1/chat/completions", CHAT | {"logprobs": True}, 400, "logprobs are not supported"),
+        ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
+        ("/v1/chat/completions", CHAT | {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+        ("/v1/completions", {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
         ("/v1/chat/completions", CHAT | {"logit_bias": {"99999": 1}}, 400, "logit_bias token id must be below"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "only text content"),

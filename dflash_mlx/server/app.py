@@ -18,6 +18,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -33,6 +34,7 @@ from ..sampling import SamplingParams
 from . import anthropic
 from . import engine as eng
 from .errors import APIError
+from .logprobs import Logprobs, Picked
 from .parts import ReplySplitter
 from .prompts import chat_ids, completion_ids, unicode_text
 from .schemas import ChatRequest, CompletionRequest, Sampling
@@ -126,6 +128,10 @@ def _max_tokens(body: Sampling, prompt_tokens: int, settings: Settings, context:
 def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
     """The ASGI app serving ``engine`` (already started)."""
     app = FastAPI(title="dflash-mlx", docs_url=None, redoc_url=None, openapi_url=None)
+    version = metadata.version("dflash-mlx")
+    pair = {"target": engine.model_id, "draft": engine.draft_id, "block_size": engine.block_size,
+            "draft_vocab": engine.draft_vocab, "dflash_mlx": version}
+    fingerprint = f"dflash-mlx-{version} target={engine.model_id} draft={engine.draft_id}"
     # one at a time: a tokenizer is not meant to encode on two threads at once
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="dflash-mlx-tokenize")
     if settings.api_key is not None:
@@ -150,13 +156,14 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": settings.model_name, "active": engine.active,
+        return {"status": "ok", "model": settings.model_name, "pair": pair, "active": engine.active,
                 "max_queue": engine.max_queue, **engine.stats}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [
-            {"id": settings.model_name, "object": "model", "created": engine.started, "owned_by": "dflash-mlx"}
+            {"id": settings.model_name, "object": "model", "created": engine.started, "owned_by": "dflash-mlx",
+             "pair": pair}
         ]}
 
     @app.post("/v1/chat/completions")
@@ -181,7 +188,8 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
     async def _complete(body: Sampling, ids: list[int], request: Request, splitter: Optional[ReplySplitter]):
         """Run the request; a chat one (with a ``splitter``) replies in parts."""
         job = _submit(body, ids)
-        reply = Reply(settings.model_name, splitter)
+        logprobs = None if body.top_logprobs_asked() is None else Logprobs(engine.tokenizer)
+        reply = Reply(settings.model_name, splitter, fingerprint, logprobs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             # on shutdown the stream gets a moment to send its error event and [DONE]
@@ -195,6 +203,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             max_tokens=_max_tokens(body, len(ids), settings, engine.context_length),
             sampling=_sampling(body, engine.vocab_size),
             stop=[unicode_text(s, "stop") for s in body.stop_strings()],
+            logprobs=body.top_logprobs_asked(),
         )
         try:
             job = engine.submit(job_request, asyncio.get_running_loop())
@@ -210,6 +219,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
                 yield reply.chunk({"role": "assistant", "content": ""})
             async for event in job.stream():
                 if isinstance(event, eng.Delta):
+                    reply.picked += event.logprobs
                     if not reply.chat:
                         yield reply.chunk(event.text)
                     elif parts := reply.splitter.feed(event.text):
@@ -233,6 +243,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             async for event in job.stream():
                 if isinstance(event, eng.Delta):
                     text.append(event.text)
+                    reply.picked += event.logprobs
                 elif isinstance(event, eng.Failed):
                     raise APIError(event.status, event.message, code=event.code)
                 else:
@@ -254,10 +265,14 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
 
 class Reply:
     """Response and chunk bodies of one chat (with the splitter of its text)
-    or text completion."""
+    or text completion; with ``logprobs``, each body carries the log-probabilities
+    of the tokens ``picked`` since the last one."""
 
-    def __init__(self, model: str, splitter: Optional[ReplySplitter]):
+    def __init__(self, model: str, splitter: Optional[ReplySplitter], fingerprint: Optional[str] = None,
+                 logprobs: Optional[Logprobs] = None):
         self.model, self.splitter, self.chat = model, splitter, splitter is not None
+        self.fingerprint, self.logprobs = fingerprint, logprobs
+        self.picked: list[Picked] = []
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -266,14 +281,22 @@ class Reply:
         return "tool_calls" if reason == "stop" and self.chat and self.splitter.calls else reason
 
     def _base(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+    def _logprobs(self) -> Optional[dict]:
+        """The picked tokens' log-probabilities in this kind of reply's shape (then forgotten)."""
+        picked, self.picked = self.picked, []
+        if self.logprobs is None or not picked:
+            return None
+        return self.logprobs.chat(picked) if self.chat else self.logprobs.completion(picked)
 
     def chunk(self, content: Union[dict, str], finish_reason: Optional[str] = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": content, "logprobs": self._logprobs(), "finish_reason": finish_reason}
             body = self._base("chat.completion.chunk") | {"choices": [choice]}
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": content, "logprobs": self._logprobs(), "finish_reason": finish_reason}
             body = self._base("text_completion") | {"choices": [choice]}
         return {"data": json.dumps(body)}
 
@@ -289,8 +312,8 @@ class Reply:
                 message["reasoning_content"] = parts.reasoning
             if parts.tool_calls:
                 message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in parts.tool_calls]
-            choice = {"index": 0, "message": message, "logprobs": None,
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(),
                       "finish_reason": self.finish_reason(finish_reason)}
             return self._base("chat.completion") | {"choices": [choice], "usage": usage.to_dict()}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(), "finish_reason": finish_reason}
         return self._base("text_completion") | {"choices": [choice], "usage": usage.to_dict()}

@@ -22,6 +22,7 @@ from ..errors import DFlashError
 from ..generate import check_pair, stream_generate
 from ..loading import load, load_draft
 from ..target import Target
+from .logprobs import Picked, picked
 from .prefix_cache import PrefixCache
 from .stops import StopMatcher
 
@@ -43,6 +44,7 @@ class Request:
     max_tokens: int
     sampling: dict  # stream_generate's sampling keyword arguments
     stop: list[str] = field(default_factory=list)
+    logprobs: Optional[int] = None  # each token's log-probability with this many top alternatives; None: none
 
 
 @dataclass
@@ -52,8 +54,11 @@ class Usage:
     completion_tokens: int = 0
     cycles: int = 0  # verify cycles
     accepted: int = 0  # drafted tokens the target accepted
+    blocks: dict[int, int] = field(default_factory=dict)  # cycles per block size verified (1: a plain step)
 
     def to_dict(self) -> dict:
+        """OpenAI's usage, plus how DFlash served it: cycles, tokens per cycle,
+        the block sizes used and whether any cycle drafted (``decoding``)."""
         tau = (self.accepted + self.cycles) / self.cycles if self.cycles else None
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -62,12 +67,16 @@ class Usage:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "cycles": self.cycles,
             "tokens_per_cycle": tau,
+            "block_sizes": {str(b): n for b, n in sorted(self.blocks.items())},
+            # "plain": every token came from the target alone (b = 1 steps), as without a draft
+            "decoding": "speculative" if any(b > 1 for b in self.blocks) else "plain",
         }
 
 
 @dataclass
 class Delta:
     text: str
+    logprobs: list[Picked] = field(default_factory=list)  # its tokens', when the request asked
 
 
 @dataclass
@@ -267,18 +276,21 @@ class Engine:
         stops = StopMatcher(request.stop)
         mark, snapshot = self.prefix_cache.mark(context, request.prompt, self.tokenizer)
         finish = "cancelled"
-        responses = self._stream(request.prompt, max_tokens=request.max_tokens, context=context, **request.sampling)
+        responses = self._stream(request.prompt, max_tokens=request.max_tokens, context=context,
+                                 logprobs=request.logprobs is not None, **request.sampling)
         try:
             for i, r in enumerate(responses):
                 if i > 0:
                     usage.cycles += 1
                     usage.accepted += r.accepted
+                    usage.blocks[r.block_size] = usage.blocks.get(r.block_size, 0) + 1
                 usage.completion_tokens += len(r.tokens)
                 text, stopped = stops.feed(r.text)
                 if r.finish_reason and not stopped:
                     text += stops.flush()
-                if text:
-                    job.emit(Delta(text))
+                picks = [] if r.logprobs is None else picked(r.logprobs, r.tokens, request.logprobs)
+                if text or picks:
+                    job.emit(Delta(text, picks))
                 if stopped or r.finish_reason:
                     finish = "stop" if stopped else r.finish_reason
                     break

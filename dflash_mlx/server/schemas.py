@@ -8,6 +8,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .logprobs import MAX_TOP
+
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -73,11 +75,16 @@ class Sampling(Body):
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_tokens
 
+    def top_logprobs_asked(self) -> Optional[int]:
+        """How many top alternatives each token's log-probability comes with; None: no logprobs."""
+        return None
+
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)
     response_format: Optional[dict] = None
     enable_thinking: Optional[bool] = None
     chat_template_kwargs: Optional[dict] = None
@@ -85,8 +92,8 @@ class ChatRequest(Sampling):
     tool_choice: Union[str, dict, None] = None
 
     def unsupported(self) -> Optional[tuple[str, str]]:
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             return "response_format", f"response_format '{kind}' is not supported; only 'text'"
@@ -97,6 +104,9 @@ class ChatRequest(Sampling):
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+    def top_logprobs_asked(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def called_tools(self) -> Optional[list[dict]]:
         """The tools whose calls are read from the reply: none with ``tool_choice: "none"``."""
@@ -114,7 +124,7 @@ class CompletionRequest(Sampling):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
@@ -126,9 +136,10 @@ class CompletionRequest(Sampling):
             return "suffix", "suffix is not supported"
         if self.best_of not in (None, 1):
             return "best_of", "best_of > 1 is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
         return super().unsupported()
+
+    def top_logprobs_asked(self) -> Optional[int]:
+        return self.logprobs
 
     def single_prompt(self) -> Union[str, list[int]]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
