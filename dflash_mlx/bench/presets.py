@@ -143,6 +143,18 @@ PRESETS: dict[str, tuple[dict, dict, Optional[float], float]] = {
     # asserts both). Assumed: z-lab's 32 x 128 query / 8 KV heads, MLP 6144, 5 features at
     # the published default ids for 48 layers, block 16; tau 7 at b=16. At 4 bits (about
     # 45 GB), as a Mac holds it.
+    # Qwen/Qwen3.5-397B-A17B: 60 layers of 4096 in 15 x (3 Gated DeltaNet + 1 gated attention),
+    # attention 32 query / 2 KV heads of 256, Gated DeltaNet 16 key / 64 value heads of 128, 512
+    # experts of 1024 (10 routed, 1 shared), as Qwen's model card gives it (hidden size, heads, KV
+    # heads, head size and experts also on pcpartguide.com/local-llms/qwen-3.5-397b-a17b); the built
+    # model has 396.3 B parameters, 223 GB at mlx-lm's 4 bits. Too large for one Mac: the preset
+    # for --predict --machines (two M3 Ultras of 512 GB hold it). Draft z-lab/Qwen3.5-397B-A17B-DFlash,
+    # assumed: z-lab's six layers of the target's width, MLP 12288, block 16; tau 7.5 assumed.
+    "qwen3.5-397b-a17b-4bit": (_qwen35(_qwen35_text(4096, 60, 1024, 32, 2, 64, num_experts=512,
+                                                    num_experts_per_tok=10, moe_intermediate_size=1024,
+                                                    shared_expert_intermediate_size=1024, norm_topk_prob=True),
+                                       tied=False, moe=True, quant=Q4),
+                               _z_lab_draft(4096, 12288, 60), None, 7.5),
     "qwen3-coder-next-4bit": (_qwen3_next(2048, 48, 16, 2, 151936, num_experts=512, num_experts_per_tok=10,
                                           moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                           norm_topk_prob=True, quantization=Q4),
