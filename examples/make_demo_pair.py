@@ -16,9 +16,18 @@ Stages, each resumable (run them in order; ``all`` runs every stage):
   extend     its pretraining continued (3000 more steps, fresh schedule)
   draft      a DFlash draft trained with ``dflash-mlx train`` on the target's
              own greedy continuations (self-distillation)
+  draft2     a DFlash2 draft (``train --arch dflash2``) for the installed
+             target, with the shipped v1 draft's shape, data and steps
+             (SHIPPED_DRAFT_TRAIN, DRAFT2_OPTIM) plus DFlash2's convolutions and
+             candidate selector (DRAFT2)
+  compare    tau at blocks 8 and 16 on the held-out prompts, the shipped v1
+             draft against the draft2 stage's (its newest checkpoint while it
+             runs), written to compare.json
   install    copy the final target and draft into dflash_mlx/demo_pair/, with
              the vocabulary ranked by frequency in the training stream
-             (``--draft-vocab N``), only if the pair passes ``check``
+             (``--draft-vocab N``), only if the pair passes ``check``; when
+             ``compare`` found the DFlash2 draft better, that draft with the
+             installed target is the pair checked and installed
 
 ``check`` measures the newest pair (the extend stage's newest checkpoint while
 it runs) against GATES: the target's greedy distinct-token ratio and the
@@ -69,8 +78,9 @@ PRETOKENIZE_REGEX = (  # transformers' Qwen2/Qwen3.5 pre-tokenizer split
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
 HELD_OUT_EVERY = 20  # one file in 20 (by path hash) never enters any training
 INSTALLED = Path(__file__).resolve().parent.parent / "dflash_mlx" / "demo_pair"  # what the wheel ships
+INSTALLED_PROMPTS = INSTALLED / "heldout_prompts.jsonl"  # the shipped pair's held-out prompts
 SNAPSHOT = Path(__file__).resolve().parent / "demo_pair_snapshot"  # committed checkpoints of unfinished stages
-SNAPSHOT_STAGES = {"target_extended": "final", "draft": "draft"}  # training that outlasts a session: its
+SNAPSHOT_STAGES = {"target_extended": "final", "draft": "draft", "draft2": "draft"}  # training that outlasts a session: its
 # work subdirectory -> the subdirectory its finished output goes to
 
 TARGET_CONFIG = {
@@ -401,6 +411,12 @@ DRAFT_OPTIM = OptimConfig(
 )
 
 
+def corpus_paths(work: Path) -> list[str]:
+    """The draft stages' training files (the data stage's list)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [str(root / f) for f in json.loads((work / "data" / "train_files.json").read_text())]
+
+
 def stage_draft(work: Path, stop_after=None):
     from dflash_mlx.train import DraftTrainConfig, train_draft
 
@@ -412,14 +428,117 @@ def stage_draft(work: Path, stop_after=None):
     final = work / "draft" / "draft"
     if (final / "config.json").is_file():
         return final
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train_files = json.loads((work / "data" / "train_files.json").read_text())
     res = train_draft(
-        str(target), str(work / "draft"), [str(root / f) for f in train_files],
+        str(target), str(work / "draft"), corpus_paths(work),
         DraftTrainConfig(**DRAFT_TRAIN), DRAFT_OPTIM,
         eval_prompt_paths=[str(stage_prompts(work))], stop_after=stop_after,
     )
     return res["draft_dir"]
+
+
+SHIPPED_DRAFT_TRAIN = {  # the installed v1 draft's recipe (commit c434814), for the installed target
+    **DRAFT_TRAIN, "num_layers": 2, "intermediate_size": None, "target_layer_ids": None, "num_prompts": 3000,
+}
+DRAFT2 = dict(  # what DFlash2 adds: 0.28 MB of convolutions, 2.2 MB of selector (the pair 38.7 MB of 40)
+    arch="dflash2",
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=64,  # the codebooks are 2 x 4096 x R float32: R 64 fits the budget (96 would be 39.8 MB)
+    selector_top_k=16,
+    selector_weight=1.0,
+)
+DRAFT2_OPTIM = replace(DRAFT_OPTIM, steps=1500, checkpoint_every=25)  # the shipped draft's 1500 steps
+
+
+def stage_draft2(work: Path, stop_after=None):
+    """A DFlash2 draft for the installed target (work/target/final), trained
+    as the shipped v1 draft was, so that ``compare`` sets like against like."""
+    from dflash_mlx.train import DraftTrainConfig, train_draft
+
+    target = stage_target(work)
+    resume_from_snapshot(work / "draft2")
+    final = work / "draft2" / "draft"
+    if (final / "config.json").is_file():
+        return final
+    res = train_draft(
+        str(target), str(work / "draft2"), corpus_paths(work),
+        DraftTrainConfig(**SHIPPED_DRAFT_TRAIN, **DRAFT2), DRAFT2_OPTIM,
+        eval_prompt_paths=[str(INSTALLED_PROMPTS)], stop_after=stop_after,
+    )
+    return res["draft_dir"]
+
+
+def newest_draft(run: Path) -> Path:
+    """A training run's draft: its finished output, else its newest checkpoint
+    written out as a draft folder (``run/probe``)."""
+    if (run / "draft" / "config.json").is_file():
+        return run / "draft"
+    newest = list_checkpoints(run)[-1:]
+    if not newest:
+        raise SystemExit(f"no draft in {run} yet; run its stage first")
+    probe = run / "probe"
+    with staged_output(probe, force=True) as tmp:
+        tmp.mkdir()
+        config = json.loads((run / "train_config.json").read_text())["draft"]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        shutil.copy(newest[0] / "model.safetensors", tmp / "model.safetensors")
+    print(f"{run.name}: the draft at {newest[0].name}", file=sys.stderr)
+    return probe
+
+
+def held_out_tau(model, draft, tokenizer, prompts: list[str], block_size: int) -> float:
+    """Mean tokens per cycle, greedy, CHECK_TOKENS tokens per held-out prompt."""
+    from dflash_mlx import generate
+
+    lengths = []
+    for prompt in prompts:
+        ids = mx.array(tokenizer.encode(prompt))
+        lengths += generate(model, draft, tokenizer, ids, block_size=block_size,
+                            max_tokens=CHECK_TOKENS).acceptance_lengths
+    return float(np.mean(lengths))
+
+
+def weights_mb(*dirs: Path) -> float:
+    return sum(f.stat().st_size for d in dirs for f in d.glob("*.safetensors")) / 1e6
+
+
+COMPARE_BLOCKS = (8, 16)
+
+
+def stage_compare(work: Path) -> dict:
+    """The shipped v1 draft against the draft2 stage's on the installed target:
+    tau at COMPARE_BLOCKS on the held-out prompts; written to compare.json."""
+    from dflash_mlx import load, load_draft
+
+    target = stage_target(work)
+    model, tokenizer = load(str(target))
+    prompts = [json.loads(line)["prompt"] for line in INSTALLED_PROMPTS.read_text().splitlines()]
+    drafts = {"v1": INSTALLED / "draft", "v2": newest_draft(work / "draft2")}
+    report = {"target": str(target), "prompts": len(prompts), "tokens": CHECK_TOKENS}
+    for name, path in drafts.items():
+        draft = load_draft(str(path))
+        report[name] = {"draft": str(path), "architecture": type(draft).__name__,
+                        "pair MB": round(weights_mb(target, path), 2),
+                        **{f"tau at block {b}": held_out_tau(model, draft, tokenizer, prompts, b)
+                           for b in COMPARE_BLOCKS}}
+    report["winner"] = max(("v1", "v2"), key=lambda n: report[n]["tau at block 16"])
+    if report["v2"]["draft"] != str(work / "draft2" / "draft"):
+        report["winner"] = "v1"  # an unfinished draft never ships
+    print(f"compare on {len(prompts)} held-out prompts x {CHECK_TOKENS} tokens, greedy:", file=sys.stderr)
+    for name in drafts:
+        r = report[name]
+        taus = ", ".join(f"block {b}: tau {r[f'tau at block {b}']:.3f}" for b in COMPARE_BLOCKS)
+        print(f"  {name} ({r['architecture']}, pair {r['pair MB']:.1f} MB): {taus}", file=sys.stderr)
+    print(f"  better at block 16: {report['winner']}", file=sys.stderr)
+    (work / "compare.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def dflash2_won(work: Path) -> bool:
+    """Whether ``compare`` found the finished DFlash2 draft better than the shipped one."""
+    path = work / "compare.json"
+    return path.is_file() and json.loads(path.read_text()).get("winner") == "v2" \
+        and (work / "draft2" / "draft" / "config.json").is_file()
 
 
 GATES = {  # what a pair must reach on the held-out prompts before it replaces the installed one
@@ -432,9 +551,12 @@ CHECK_TOKENS = 128
 
 
 def candidate_pair(work: Path) -> tuple[Path, Path]:
-    """The newest target (the extend stage's final model, else its newest
-    checkpoint, exported to ``target_extended/probe``) and draft (the draft
-    stage's, else the installed one)."""
+    """The installed target and the DFlash2 draft when ``compare`` found it
+    better; else the newest target (the extend stage's final model, else its
+    newest checkpoint, exported to ``target_extended/probe``) and draft (the
+    draft stage's, else the installed one)."""
+    if dflash2_won(work):
+        return work / "target" / "final", work / "draft2" / "draft"
     out = work / "target_extended"
     target = out / "final"
     if not (target / "config.json").is_file():
@@ -457,21 +579,19 @@ def stage_check(work: Path) -> bool:
 
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx import generate, load, load_draft
+    from dflash_mlx import load, load_draft
 
     target_dir, draft_dir = candidate_pair(work)
     model, tokenizer = load(str(target_dir))
-    draft = load_draft(str(draft_dir))
-    ratios, lengths = [], []
-    for line in stage_prompts(work).read_text().splitlines():
-        ids = mx.array(tokenizer.encode(json.loads(line)["prompt"]))
-        out = [t for t, _ in generate_step(ids, model, max_tokens=CHECK_TOKENS)]
+    prompts = [json.loads(line)["prompt"] for line in stage_prompts(work).read_text().splitlines()]
+    ratios = []
+    for prompt in prompts:
+        out = [t for t, _ in generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=CHECK_TOKENS)]
         out = out[: out.index(0)] if 0 in out else out  # up to EOS
         ratios.append(len(set(out)) / max(len(out), 1))
-        lengths += generate(model, draft, tokenizer, ids, block_size=16, max_tokens=CHECK_TOKENS).acceptance_lengths
     figures = {"distinct median": statistics.median(ratios), "distinct min": min(ratios),
-               "tau at block 16": statistics.mean(lengths)}
-    mb = sum(f.stat().st_size for d in (target_dir, draft_dir) for f in d.glob("*.safetensors")) / 1e6
+               "tau at block 16": held_out_tau(model, load_draft(str(draft_dir)), tokenizer, prompts, 16)}
+    mb = weights_mb(target_dir, draft_dir)
     ok = mb <= MAX_WEIGHTS_MB
     print(f"check: {target_dir} + {draft_dir}", file=sys.stderr)
     for name, floor in GATES.items():
@@ -486,6 +606,8 @@ def stage_install(work: Path, force: bool = False) -> Path:
     it passes ``stage_check`` (or ``force``)."""
     dest = INSTALLED
     target, draft = work / "target_extended" / "final", work / "draft" / "draft"
+    if dflash2_won(work):
+        target, draft = work / "target" / "final", work / "draft2" / "draft"
     for path in (target, draft):
         if not (path / "config.json").is_file():
             raise SystemExit(f"{path} is missing; run the earlier stages first")
@@ -507,7 +629,7 @@ def stage_install(work: Path, force: bool = False) -> Path:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["tokenizer", "data", "target", "extend", "prompts", "draft", "install", "all",
-                                      "check", "snapshot"])
+                                      "check", "snapshot", "draft2", "compare"])
     ap.add_argument("--work", default="demo_work", help="Working directory (git-ignored).")
     ap.add_argument("--stop-after", type=int, default=None, help="Stop a training stage after N steps.")
     ap.add_argument("--force", action="store_true",
@@ -534,6 +656,11 @@ def main(argv=None):
         elif stage == "draft":
             if stage_draft(work, stop_after=args.stop_after) is None:
                 return 1
+        elif stage == "draft2":
+            if stage_draft2(work, stop_after=args.stop_after) is None:
+                return 1
+        elif stage == "compare":
+            stage_compare(work)
         elif stage == "install":
             stage_install(work, force=args.force)
         elif stage == "check":

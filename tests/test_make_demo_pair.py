@@ -66,3 +66,29 @@ def test_finished_stage_carries_its_output_and_is_not_retrained(pipeline, tmp_pa
     assert pipeline.stage_extend(fresh) == fresh / "target_extended" / "final"
     assert json.loads((fresh / "target_extended" / "final" / "config.json").read_text()) == {"tag": "extended"}
     assert pipeline.list_checkpoints(fresh / "target_extended") == []
+
+
+def test_the_dflash2_draft_is_the_candidate_only_once_compare_found_it_better(pipeline, tmp_path):
+    work = tmp_path / "work"
+    fake_output(work / "target_extended" / "final", "extended")
+    fake_output(work / "draft" / "draft", "v1")
+    v1_pair = (work / "target_extended" / "final", work / "draft" / "draft")
+    assert pipeline.candidate_pair(work) == v1_pair
+    (work / "compare.json").write_text(json.dumps({"winner": "v2"}))
+    assert pipeline.candidate_pair(work) == v1_pair  # the DFlash2 draft is not finished
+    fake_output(work / "draft2" / "draft", "v2")
+    assert pipeline.candidate_pair(work) == (work / "target" / "final", work / "draft2" / "draft")
+    (work / "compare.json").write_text(json.dumps({"winner": "v1"}))
+    assert pipeline.candidate_pair(work) == v1_pair
+
+
+def test_compare_reads_an_unfinished_draft_from_its_newest_checkpoint(pipeline, tmp_path):
+    run = tmp_path / "work" / "draft2"
+    fake_checkpoint(run, 25)
+    fake_checkpoint(run, 50)
+    (run / "train_config.json").write_text(json.dumps({"draft": {"architectures": ["DFlash2DraftModel"]}}))
+    probe = pipeline.newest_draft(run)
+    assert json.loads((probe / "config.json").read_text()) == {"architectures": ["DFlash2DraftModel"]}
+    assert (probe / "model.safetensors").read_bytes() == bytes([50]) * 16
+    fake_output(run / "draft", "finished")
+    assert pipeline.newest_draft(run) == run / "draft"

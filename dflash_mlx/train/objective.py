@@ -10,7 +10,9 @@ recipe (``docs/architecture.md``):
 - cross-entropy on block positions 1..b-1 against the true continuation, with
   weights exp(-(k-1)/gamma) that decay with the position k in the block;
 - the target's embedding and LM head are shared and frozen; the draft's
-  layers, ``fc`` and norms are trained.
+  layers, ``fc`` and norms are trained;
+- a DFlash2 draft's convolutions run inside each block, and its candidate
+  selector's loss is added (``dflash2.py``).
 
 Many blocks of one sequence are trained in one forward: every block's queries
 score the shared context keys, masked to positions < anchor_j and, on sliding
