@@ -221,6 +221,7 @@ class SpeculativeDecoder:
         logits = self.sampler.process(logits, mx.array(self.recent, dtype=mx.int32))
         self._keep(logits)
         self.pending = self.sampler.first_token(logits)
+        self.sampler.commit(self.pending)
         first = self.pending.item()
         self._queue_draft()
         return first
@@ -276,6 +277,7 @@ class SpeculativeDecoder:
         history = mx.concatenate([mx.array(self.recent, dtype=mx.int32), y])
         logits = self.sampler.process(self.target.logits(out.hidden[:, -1]), history)
         _, self.queued = self.sampler.verify(logits, *self.no_draft)
+        self.sampler.commit(self.queued)
         self.queued_logits = logits
         mx.async_eval(self.queued)
         committed = [y.item()]  # waits only while the step that makes y still runs
@@ -315,6 +317,7 @@ class SpeculativeDecoder:
         self.proposer.observe(out.features[:, : a + 1], block[: a + 1])
         self.tokens.extend(committed)
         self._remember(committed)
+        self.sampler.commit(mx.concatenate([drafted[:a], next_token]))
         self.pending = next_token
         self._queue_next()
         return Cycle(committed[1:] + [next_token.item()], a)

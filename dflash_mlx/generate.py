@@ -15,7 +15,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import cost_curve as costs
-from . import validate
+from . import structured, validate
 from .block_policy import AdaptiveBlock, FixedBlock
 from .chat import encode
 from .decoder import ContextCache, SpeculativeDecoder, proposer_for
@@ -144,6 +144,7 @@ def stream_generate(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    response_format: Optional[dict] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -168,6 +169,11 @@ def stream_generate(
     ``draft_vocab`` N drafts over the N most frequent ids of the ranking stored
     beside the draft (``draft/vocab.py``; lossless, verification keeps the full
     vocabulary); None is the full vocabulary.
+    ``response_format`` constrains the output to a grammar, in OpenAI's shape
+    (``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
+    {"schema": ...}}``) or ``{"type": "regex", "regex": ...}`` /
+    ``{"type": "grammar", "grammar": <Lark>}`` (``structured.py``): exactly
+    what the target alone decodes under the grammar's mask (not with ``tree_budget``).
     ``logprobs=True`` gives each response the target's log-probabilities over
     the vocabulary at each emitted token's position (``logits - logsumexp``
     after the logits processors, before temperature and top-p/k: what mlx-lm's
@@ -195,6 +201,10 @@ def stream_generate(
     head = None
     if draft_vocab is not None:
         head = subset_head(target, draft.vocab_ranking, draft_vocab)  # an integer >= 1: checked above
+    constraint = structured.constraint_for(response_format, tokenizer, target.vocab_size)
+    if constraint and tree_budget:
+        raise DFlashError("response_format cannot be combined with tree_budget (DDTree); "
+                          "use the chain (tree_budget=None)")
     sampler = BlockSampler(
         SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -202,7 +212,8 @@ def stream_generate(
             repetition_context_size=repetition_context_size,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             logit_bias=logit_bias,
-        )
+        ),
+        constraint,
     )
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from . import validate
+from .structured import Constraint
 from .verify import greedy_verify, sampled_verify
 
 
@@ -66,9 +67,10 @@ def warp(logits: mx.array, params: SamplingParams) -> mx.array:
 class BlockSampler:
     """Turns logits into tokens for prefill, drafting and verification."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, constraint: Optional[Constraint] = None):
         params.validate()
         self.params = params
+        self.constraint = constraint  # a grammar the output follows (structured.py), or None
         self.greedy = params.temperature == 0
         self.processors = make_logits_processors(
             params.logit_bias,
@@ -94,18 +96,26 @@ class BlockSampler:
     def process(self, logits: mx.array, history: mx.array) -> mx.array:
         """Apply the logits processors to rows [n, V], where row i follows
         ``history[: len(history) - n + 1 + i]``, just as decoding one token at a
-        time would have seen it."""
-        if not self.processors:
-            return logits
+        time would have seen it. A constraint masks the rows last: the
+        history's last n-1 tokens are a block's drafts, not yet committed."""
         n = logits.shape[0]
-        rows = []
-        for i in range(n):
-            row = logits[i : i + 1]
-            seen = history[: history.size - n + 1 + i]
-            for processor in self.processors:
-                row = processor(seen, row)
-            rows.append(row)
-        return mx.concatenate(rows, axis=0)
+        if self.processors:
+            rows = []
+            for i in range(n):
+                row = logits[i : i + 1]
+                seen = history[: history.size - n + 1 + i]
+                for processor in self.processors:
+                    row = processor(seen, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        if self.constraint is not None:
+            logits = self.constraint.restrict(logits, history[history.size - n + 1 :].tolist())
+        return logits
+
+    def commit(self, tokens: mx.array) -> None:
+        """Tell the constraint (if any) the tokens the loop chose, in order."""
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
 
     def first_token(self, logits: mx.array) -> mx.array:
         """The token after the prompt from logits [1, V]: int32 [1]."""
@@ -115,7 +125,20 @@ class BlockSampler:
 
     def draft(self, logits: mx.array) -> tuple[mx.array, Optional[mx.array]]:
         """Drafted tokens [b-1] from draft logits [b-1, V], with their warped
-        log-probabilities q (None when greedy)."""
+        log-probabilities q (None when greedy). Under a constraint each row is
+        masked after the drafts before it and drawn in turn (a host round
+        trip per row), so no draft leaves the grammar."""
+        if self.constraint is None:
+            return self._draw(logits)
+        drafted, qs = [], []
+        for i in range(logits.shape[0]):
+            token, q = self._draw(self.constraint.restrict_next(logits[i : i + 1], drafted))
+            drafted.append(token.item())
+            qs.append(q)
+        q = None if self.greedy else mx.concatenate(qs, axis=0)
+        return mx.array(drafted, dtype=mx.int32), q
+
+    def _draw(self, logits: mx.array) -> tuple[mx.array, Optional[mx.array]]:
         if self.greedy:
             return mx.argmax(logits, axis=-1).astype(mx.int32), None
         q = warp(logits, self.params)

@@ -1,0 +1,165 @@
+"""Structured output: a grammar that every emitted token must follow
+(docs/python-api.md, "Structured output"; docs/architecture.md, "Constrained decoding").
+
+``response_format`` (OpenAI's shape, plus a regex and a Lark grammar) compiles
+to an llguidance grammar; a ``Constraint`` holds one generation's matcher. The
+sampler asks it for the tokens allowed after the committed tokens and a
+block's drafts, and masks the target's rows (and the draft's) to them, so the
+output is exactly what the target alone decodes under the same mask.
+"""
+
+import weakref
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import DFlashError
+
+KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
+
+_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF tokenizer -> {(V, eos): LLTokenizer}
+
+
+def _fail(message: str) -> DFlashError:
+    return DFlashError("response_format: " + " ".join(message.split())[:400])
+
+
+def grammar(response_format: Optional[dict]) -> Optional[str]:
+    """The llguidance grammar of an OpenAI-style ``response_format``; None for
+    plain text. ``{"type": "json_object"}``, ``{"type": "json_schema",
+    "json_schema": {"schema": {...}}}``, ``{"type": "regex", "regex": "..."}``
+    or ``{"type": "grammar", "grammar": "<Lark>"}``."""
+    from llguidance import LLMatcher
+
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise _fail(f"must be an object such as {{'type': 'json_object'}}, got {type(response_format).__name__}")
+    kind = response_format.get("type", "text")
+    if kind not in KINDS:
+        raise _fail(f"type {kind!r} is not supported; use one of {', '.join(KINDS)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise _fail("json_schema.schema must be a JSON Schema object")
+        return LLMatcher.grammar_from_json_schema(schema)
+    text = response_format.get(kind)
+    if not isinstance(text, str) or not text:
+        raise _fail(f"type {kind!r} needs a non-empty string field {kind!r}")
+    return LLMatcher.grammar_from_regex(text) if kind == "regex" else LLMatcher.grammar_from_lark(text)
+
+
+def _ll_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's view of a Hugging Face fast tokenizer (built once per
+    tokenizer, vocabulary size and EOS set: about a second for a large vocabulary)."""
+    import llguidance.hf
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds it
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+    built = _tokenizers.setdefault(hf, {})
+    key = (vocab_size, tuple(eos))
+    if key not in built:
+        try:
+            built[key] = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+        except ValueError as e:
+            raise _fail(f"needs a fast (tokenizers) tokenizer: {e}") from None
+    return built[key]
+
+
+def constraint_for(response_format: Optional[dict], tokenizer, vocab_size: int) -> Optional["Constraint"]:
+    """A fresh ``Constraint`` for one generation, or None for plain text.
+    A format that does not compile is a one-line DFlashError naming it."""
+    from llguidance import LLMatcher
+
+    try:
+        source = grammar(response_format)
+    except ValueError as e:  # llguidance: the schema is not a JSON object
+        raise _fail(str(e)) from None
+    if source is None:
+        return None
+    matcher = LLMatcher(_ll_tokenizer(tokenizer, vocab_size), source, log_level=0)
+    if matcher.is_error():
+        raise _fail(matcher.get_error())
+    return Constraint(matcher, vocab_size)
+
+
+class Constraint:
+    """One generation's grammar state over the committed tokens.
+
+    ``commit`` records tokens as the loop chooses them (arrays, read only when
+    a mask is next needed, so an unconstrained loop never waits for them).
+    ``allowed(prefix)`` is the mask after the committed tokens and ``prefix``
+    (a block's drafts): the matcher advances through the prefix and is rolled
+    back to the committed tokens before the next commit is consumed."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.unread: list[mx.array] = []  # committed, not yet consumed by the matcher
+        self.ahead: list[int] = []  # consumed past the committed tokens
+        self.memo: dict[tuple, Optional[mx.array]] = {}  # prefix -> mask, until the next commit
+
+    def commit(self, tokens: mx.array) -> None:
+        self.unread.append(tokens.reshape(-1))
+
+    def _settle(self) -> None:
+        if not self.unread:
+            return
+        self.matcher.rollback(len(self.ahead))
+        self.ahead, self.memo = [], {}
+        # every committed token was chosen under the mask, so all are consumed,
+        # except tokens after the grammar's end (generation stops at its EOS)
+        self.matcher.try_consume_tokens(mx.concatenate(self.unread).tolist())
+        self.unread = []
+
+    def allowed(self, prefix: list[int]) -> Optional[mx.array]:
+        """bool [V]: the tokens the grammar allows after the committed tokens
+        and ``prefix``; None when ``prefix`` leaves the grammar or nothing is
+        allowed after it (then no emitted token depends on the row)."""
+        self._settle()
+        key = tuple(prefix)
+        if key not in self.memo:
+            self.memo[key] = self._mask_after(prefix)
+        return self.memo[key]
+
+    def _mask_after(self, prefix: list[int]) -> Optional[mx.array]:
+        keep = 0
+        while keep < min(len(self.ahead), len(prefix)) and self.ahead[keep] == prefix[keep]:
+            keep += 1
+        self.matcher.rollback(len(self.ahead) - keep)
+        self.ahead = self.ahead[:keep]
+        for token in prefix[keep:]:
+            if self.matcher.try_consume_tokens([token]) != 1:
+                return None
+            self.ahead.append(token)
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        return mx.array(mask) if mask.any() else None
+
+    def restrict(self, logits: mx.array, drafted: list[int]) -> mx.array:
+        """Rows [n, V], row i masked (-inf outside the grammar) to the tokens
+        allowed after ``drafted[:i]``. Rows past the first draft the grammar
+        rejects stay as they are: no accepted token can follow that draft."""
+        rows = []
+        for i in range(logits.shape[0]):
+            mask = self.allowed(drafted[:i])
+            if mask is None:
+                rows.append(logits[i:])
+                break
+            rows.append(mx.where(mask, logits[i : i + 1], -mx.inf))
+        return mx.concatenate(rows, axis=0)
+
+    def restrict_next(self, logits: mx.array, drafted: list[int]) -> mx.array:
+        """A draft's row [1, V] masked to the tokens allowed after all of
+        ``drafted``; uniform over them where its logits give none a finite
+        value (a reduced drafting vocabulary may hold none of them)."""
+        mask = self.allowed(drafted)
+        if mask is None:
+            return logits
+        masked = mx.where(mask, logits, -mx.inf)
+        return mx.where(masked.max() == -mx.inf, mx.where(mask, 0.0, -mx.inf), masked)

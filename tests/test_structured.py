@@ -1,0 +1,261 @@
+"""Structured output stays lossless under speculation: greedy DFlash under a
+grammar equals mlx-lm's own decoding with a logits processor applying the same
+grammar's mask (the constrained target alone), at every acceptance length;
+drafts the grammar rejects are rejected even where the target's raw argmax
+agrees with them; at T > 0 the samples follow the constrained target's
+distribution; the output parses and matches its schema."""
+
+import json
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+import pytest
+from llguidance import LLMatcher
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import generate_step
+
+from dflash_mlx import DFlashError, Target, generate, load_draft
+from dflash_mlx.decoder import SpeculativeDecoder
+from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
+from dflash_mlx.structured import Constraint, constraint_for, grammar
+from test_loop import one_hot_logits
+from test_sampling import PROMPT as TINY_PROMPT
+from test_sampling import NoisyTargetProposer, chi2_pvalue, model, sample  # model: the spread 16-token target
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+FORMATS = {
+    "json_schema": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+    "json_object": {"type": "json_object"},
+    "regex": {"type": "regex", "regex": r"(the|a) (cat|dog|fox)( and (the|a) (cat|dog|fox))*\."},
+}
+PROMPT = "write what is the capital of france"
+
+
+@pytest.fixture(scope="module")
+def llama(target_dirs, draft_dir):
+    model, tokenizer = mlx_lm_load(str(target_dirs["llama"]))
+    return model, tokenizer, load_draft(str(draft_dir("llama", block_size=16)))
+
+
+class GrammarMask:
+    """An mlx-lm logits processor: -inf outside what the grammar allows next,
+    from its own llguidance matcher fed the generated tokens."""
+
+    def __init__(self, tokenizer, response_format, prompt_len, vocab_size):
+        lltok = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab_size,
+                                             eos_token=list(tokenizer.eos_token_ids))
+        self.matcher = LLMatcher(lltok, grammar(response_format))
+        self.prompt_len, self.fed, self.vocab_size = prompt_len, 0, vocab_size
+        self.masks = []  # the mask of every step, for the steered proposer
+
+    def __call__(self, tokens, logits):
+        new = tokens[self.prompt_len + self.fed :].tolist()
+        self.matcher.try_consume_tokens(new)  # all but an EOS after the grammar stopped
+        self.fed += len(new)
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        self.masks.append(mask)
+        return mx.where(mx.array(mask), logits, -mx.inf)
+
+
+def constrained_reference(model, tokenizer, prompt_ids, response_format, n):
+    """(tokens up to EOS or n, the grammar's mask at each) of mlx-lm's greedy decoding."""
+    mask = GrammarMask(tokenizer, response_format, len(prompt_ids), model.args.vocab_size)
+    tokens = []
+    for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n, logits_processors=[mask]):
+        if token in tokenizer.eos_token_ids:
+            break
+        tokens.append(token)
+    return tokens, mask.masks
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_greedy_output_is_the_constrained_targets_output(llama, kind, block_size):
+    model, tokenizer, draft = llama
+    ids = tokenizer.encode(PROMPT)
+    want, _ = constrained_reference(model, tokenizer, ids, FORMATS[kind], 48)
+    res = generate(model, draft, tokenizer, PROMPT, max_tokens=48, block_size=block_size,
+                   response_format=FORMATS[kind])
+    assert res.tokens == want
+    if res.finish_reason == "stop" and kind != "regex":
+        json.loads(res.text)
+
+
+class SteeredProposer:
+    """Proposes the constrained reference continuation, except that the draft
+    at index ``corrupt[cycle % len(corrupt)]`` of each block is another token
+    the grammar allows there, so every acceptance length occurs."""
+
+    def __init__(self, prompt_len, continuation, masks, corrupt, vocab_size):
+        self.position, self.prompt_len, self.cycles = 0, prompt_len, 0
+        self.continuation, self.corrupt, self.vocab_size = continuation, corrupt, vocab_size
+        self.others = [int(np.flatnonzero(m & (np.arange(vocab_size) != t))[0]) if (m.sum() > 1) else None
+                       for m, t in zip(masks, continuation)]
+
+    def observe(self, features, tokens):
+        self.position += tokens.size
+
+    def propose(self, y, block_size):
+        start = self.position - self.prompt_len + 1  # index of d_1 in the continuation
+        tokens = list(self.continuation[start : start + block_size - 1])
+        tokens += [0] * (block_size - 1 - len(tokens))
+        at = self.corrupt[self.cycles % len(self.corrupt)]
+        self.cycles += 1
+        if at is not None and start + at < len(self.others) and self.others[start + at] is not None:
+            tokens[at] = self.others[start + at]
+        return one_hot_logits(tokens, self.vocab_size)
+
+
+def test_every_acceptance_length_under_a_grammar(llama):
+    """b = 5: blocks whose first wrong draft is at each index 0..3, and none."""
+    model, tokenizer, _ = llama
+    ids = tokenizer.encode(PROMPT)
+    response_format = FORMATS["json_schema"]
+    want, masks = constrained_reference(model, tokenizer, ids, response_format, 60)
+    target = Target(model)
+    proposer = SteeredProposer(len(ids), want, masks, [0, 1, 2, 3, None], target.vocab_size)
+    sampler = BlockSampler(SamplingParams(), constraint_for(response_format, tokenizer, target.vocab_size))
+    decoder = SpeculativeDecoder(target, proposer, [0], 5, sampler=sampler)
+    out, accepted = [decoder.prefill(mx.array(ids))], []
+    while len(out) < 40:
+        cycle = decoder.cycle()
+        out += cycle.tokens
+        accepted.append(cycle.accepted)
+    assert out[: len(want)] == want[: len(out)]
+    assert set(accepted) == {0, 1, 2, 3, 4}
+
+
+class RawDrafts:
+    """Drafts chosen by the proposer itself (as DFlash2's walk does), never
+    masked: the target's unconstrained greedy continuation."""
+
+    def __init__(self, prompt_len, continuation):
+        self.position, self.prompt_len, self.continuation = 0, prompt_len, continuation
+
+    def observe(self, features, tokens):
+        self.position += tokens.size
+
+    def draft_block(self, y, block_size, sampler):
+        start = self.position - self.prompt_len + 1
+        tokens = list(self.continuation[start : start + block_size - 1])
+        return mx.array(tokens + [0] * (block_size - 1 - len(tokens)), dtype=mx.int32), None
+
+
+def test_drafts_the_grammar_rejects_are_rejected(llama):
+    """The target's raw argmax continuation leaves the grammar at once; as
+    drafts it must be rejected there, though the unmasked target agrees."""
+    model, tokenizer, _ = llama
+    ids = tokenizer.encode(PROMPT)
+    raw = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=40)]
+    response_format = FORMATS["regex"]
+    want, _ = constrained_reference(model, tokenizer, ids, response_format, 40)
+    target = Target(model)
+    sampler = BlockSampler(SamplingParams(), constraint_for(response_format, tokenizer, target.vocab_size))
+    decoder = SpeculativeDecoder(target, RawDrafts(len(ids), raw), [0], 8, sampler=sampler)
+    out = [decoder.prefill(mx.array(ids))]
+    while len(out) < len(want):
+        out += decoder.cycle().tokens
+    assert raw[: len(want)] != want  # the unconstrained target leaves the grammar
+    assert out[: len(want)] == want
+
+
+def test_output_matches_the_schema(llama):
+    model, tokenizer, draft = llama
+    res = generate(model, draft, tokenizer, PROMPT, max_tokens=200, block_size=4,
+                   response_format=FORMATS["json_schema"], temperature=0.8, seed=1)
+    assert res.finish_reason == "stop"
+    value = json.loads(res.text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12
+
+
+@pytest.mark.parametrize("response_format, named", [
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}, "objectx"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema"),
+    ({"type": "regex", "regex": "[0-9"}, "regex"),
+    ({"type": "xml"}, "'xml'"),
+    ("json", "must be an object"),
+])
+def test_a_bad_format_is_one_error_line_naming_it(llama, response_format, named):
+    model, tokenizer, draft = llama
+    with pytest.raises(DFlashError) as e:
+        generate(model, draft, tokenizer, PROMPT, max_tokens=4, response_format=response_format)
+    message = str(e.value)
+    assert message.startswith("response_format: ") and named in message and "\n" not in message
+
+
+def test_tree_with_a_grammar_is_refused(llama):
+    model, tokenizer, draft = llama
+    with pytest.raises(DFlashError, match="tree_budget"):
+        generate(model, draft, tokenizer, PROMPT, max_tokens=4, tree_budget=4,
+                 response_format=FORMATS["json_object"])
+
+
+# ---------------------------------------------------------------- T > 0
+V = 16
+LETTERS = "abcdefghijklmno"  # ids 0..14; id 15 is EOS
+TINY_GRAMMAR = LLMatcher.grammar_from_regex("((a|b)[c-f]|[g-k]){6,}")  # no end within 4 tokens
+RUNS = 600
+ALPHA = 1e-3 / 3
+
+
+class LetterTokenizer:
+    """One letter per id, for llguidance's TokenizerWrapper."""
+
+    eos_token_id, bos_token_id = 15, None
+    tokens = [c.encode() for c in LETTERS] + [b"</s>"]
+    special_token_ids = [15]
+
+    def __call__(self, text):
+        return [LETTERS.index(c) for c in text.decode()]
+
+
+LETTER_TOKENIZER = llguidance.LLTokenizer(llguidance.TokenizerWrapper(LetterTokenizer()))
+
+
+def letter_constraint():
+    return Constraint(LLMatcher(LETTER_TOKENIZER, TINY_GRAMMAR, log_level=0), V)
+
+
+def allowed(prefix):
+    """The grammar's mask after ``prefix``, from a fresh matcher."""
+    matcher = LLMatcher(LETTER_TOKENIZER, TINY_GRAMMAR, log_level=0)
+    assert matcher.consume_tokens(prefix)
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    return np.unpackbits(bits, bitorder="little")[:V].astype(bool)
+
+
+def constrained_joint(model, params, prompt, depth):
+    """P(x1..x_depth) of the target alone under the grammar's mask, enumerated
+    over the prefixes the grammar allows."""
+    joint = np.zeros([V] * depth)
+    prefixes, probs = [[]], np.ones(1)
+    for _ in range(depth):
+        logits = model(mx.array([prompt + p for p in prefixes]))[:, -1]
+        masks = mx.array(np.stack([allowed(p) for p in prefixes]))
+        cond = np.exp(np.array(warp(mx.where(masks, logits, -mx.inf), params), dtype=np.float64))
+        probs = (probs[:, None] * cond).reshape(-1)
+        prefixes = [p + [v] for p in prefixes for v in range(V)]
+        prefixes, probs = [p for p, w in zip(prefixes, probs) if w > 0], probs[probs > 0]
+    for p, w in zip(prefixes, probs):
+        joint[tuple(p)] = w
+    return joint
+
+
+def test_samples_follow_the_constrained_targets_distribution(model):
+    params = SamplingParams(temperature=1.0)
+    tokens, accepted = sample(model, params, make_sampler=lambda p: BlockSampler(p, letter_constraint()),
+                              proposer=NoisyTargetProposer, runs=RUNS)
+    assert accepted.max() >= 2  # drafts were accepted, not only the target's own tokens
+    joint = constrained_joint(model, params, TINY_PROMPT, tokens.shape[1])
+    marginal = lambda *keep: joint.sum(axis=tuple(j for j in range(joint.ndim) if j not in keep))
+    for cols in ([0, 1], [1, 2], [3]):
+        assert chi2_pvalue(tokens[:, cols], marginal(*cols)) > ALPHA, cols
