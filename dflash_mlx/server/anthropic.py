@@ -21,7 +21,7 @@ from sse_starlette import EventSourceResponse
 from . import engine as eng
 from .errors import APIError
 from .parts import Parts, ReplySplitter
-from .prompts import chat_ids
+from .prompts import chat_ids, unicode_text
 from .schemas import Body, ChatRequest
 
 ROUTE = "/v1/messages"
@@ -65,7 +65,7 @@ class Turn(Body):
 class Tool(Body):
     name: str
     description: Optional[str] = None
-    input_schema: dict
+    input_schema: Optional[dict] = None  # required of custom tools; server tools have none
     type: Optional[str] = None  # "custom" or absent; Anthropic's server tools cannot run here
 
 
@@ -116,6 +116,8 @@ class Conversation(Body):
             if tool.type not in (None, "custom"):
                 raise APIError(400, f"tools[{i}]: tool type '{tool.type}' is not supported; only "
                                     "custom tools (name, description, input_schema)", f"tools[{i}].type")
+            if tool.input_schema is None:
+                raise APIError(400, f"tools[{i}].input_schema: Field required", f"tools[{i}].input_schema")
             function = {"name": tool.name, "parameters": tool.input_schema}
             if tool.description is not None:
                 function["description"] = tool.description
@@ -142,19 +144,21 @@ class MessagesRequest(Conversation):
     stream: bool = False
 
     def chat(self) -> ChatRequest:
-        return super().chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
+        stop = [unicode_text(s, f"stop_sequences[{k}]") for k, s in enumerate(self.stop_sequences or [])]
+        return super().chat(max_tokens=self.max_tokens, stop=stop, temperature=self.temperature,
                             top_p=self.top_p, top_k=self.top_k, stream=self.stream)
 
 
 def _text(content: Union[str, list[Block], None], where: str) -> str:
-    """A string, or text blocks joined (as the OpenAI route joins text parts)."""
+    """A string, or text blocks joined (as the OpenAI route joins text parts);
+    valid Unicode (a 400 naming ``where`` otherwise)."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return unicode_text(content or "", where)
     for j, block in enumerate(content):
         if block.type != "text":
             raise APIError(400, f"{where}[{j}]: content blocks of type '{block.type}' are not supported "
                                 "here; only text", f"{where}[{j}].type")
-    return "".join(block.text or "" for block in content)
+    return unicode_text("".join(block.text or "" for block in content), where)
 
 
 def _messages(turn: Turn, where: str) -> list[dict]:
@@ -162,7 +166,7 @@ def _messages(turn: Turn, where: str) -> list[dict]:
     (its thinking blocks are dropped, as OpenAI clients drop reasoning), or
     the user's tool results (tool messages) and text, in their order."""
     if isinstance(turn.content, str):
-        return [{"role": turn.role, "content": turn.content}]
+        return [{"role": turn.role, "content": _text(turn.content, f"{where}.content")}]
     allowed = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
     messages, text, calls = [], [], []
     for j, block in enumerate(turn.content):
@@ -171,7 +175,7 @@ def _messages(turn: Turn, where: str) -> list[dict]:
             raise APIError(400, f"{at}: content blocks of type '{block.type}' are not supported in a "
                                 f"{turn.role} message; only {', '.join(allowed[turn.role])}", f"{at}.type")
         if block.type == "text":
-            text.append(block.text or "")
+            text.append(_text(block.text, f"{at}.text"))
         elif block.type == "tool_use":
             if not block.id or not block.name:
                 raise APIError(400, f"{at}: a tool_use block needs its id and name", at)
