@@ -198,3 +198,15 @@ def test_tools_for_a_model_without_tool_calling_are_a_400(tmp_path_factory):
         r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                        timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_a_streamed_tool_call_reply_carries_every_token_s_logprobs(client):
+    """Tokens whose text is held back (inside the call) bring their log-probabilities with a later chunk."""
+    chunks = list(client.chat.completions.create(model="any", messages=ASK, tools=TOOLS, max_tokens=32,
+                                                 logprobs=True, stream=True,
+                                                 stream_options={"include_usage": True}))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens
+    assert "".join(e.token for e in entries).lstrip() == REASONING_TEXT + "</think>" + ANSWER + "<tool_call>" \
+        + CALL_JSON + "</tool_call>"
+    assert all(e.logprob > -0.01 for e in entries)  # the scripted reply is the target's near-certain choice
