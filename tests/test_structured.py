@@ -17,6 +17,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, Target, generate, load_draft
+from dflash_mlx.chat import template_ids
 from dflash_mlx.decoder import SpeculativeDecoder
 from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
 from dflash_mlx.structured import Constraint, constraint_for, grammar
@@ -259,3 +260,47 @@ def test_samples_follow_the_constrained_targets_distribution(model):
     marginal = lambda *keep: joint.sum(axis=tuple(j for j in range(joint.ndim) if j not in keep))
     for cols in ([0, 1], [1, 2], [3]):
         assert chi2_pvalue(tokens[:, cols], marginal(*cols)) > ALPHA, cols
+
+
+# ---------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def server(target_dirs, draft_dir, tmp_path_factory):
+    from test_server import running_server
+
+    with running_server(tmp_path_factory.mktemp("server"), target_dirs["llama"],
+                        draft_dir("llama", block_size=16), "--block-size", "4") as (url, _):
+        yield url
+
+
+def test_the_server_answers_in_the_schema_streamed_and_not(server, llama):
+    import openai
+
+    model, tokenizer, draft = llama
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "who are you"}]
+    options = dict(max_tokens=120, temperature=0.8, seed=3, response_format=FORMATS["json_schema"])
+    want = generate(model, draft, tokenizer, template_ids(tokenizer, messages), block_size=4, **options)
+    reply = client.chat.completions.create(model="any", messages=messages, **options)
+    assert reply.choices[0].message.content == want.text
+    assert reply.choices[0].finish_reason == "stop" and set(json.loads(want.text)) == {"name", "age"}
+    streamed = client.chat.completions.create(model="any", messages=messages, stream=True, **options)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want.text
+
+    regex = FORMATS["regex"]  # the completions route takes it too (not in the client's signature)
+    text = client.completions.create(model="any", prompt=PROMPT, max_tokens=40,
+                                     extra_body={"response_format": regex}).choices[0].text
+    assert text == generate(model, draft, tokenizer, PROMPT, block_size=4, max_tokens=40, response_format=regex).text
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_a_bad_schema_is_a_400_naming_it(server, route, body):
+    import httpx
+
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    r = httpx.post(server + route, json=body | {"response_format": bad, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and "objectx" in error["message"]

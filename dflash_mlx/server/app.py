@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from .. import validate
+from .. import structured, validate
 from ..errors import DFlashError
 from ..sampling import SamplingParams
 from . import anthropic
@@ -107,7 +107,15 @@ def _sampling(body: Sampling, vocab_size: int) -> dict:
         SamplingParams(**sampling).validate()
     except DFlashError as e:
         raise APIError(400, str(e)) from None
-    return sampling
+    return {**sampling, "response_format": body.response_format}
+
+
+def _check_format(response_format: Optional[dict], tokenizer, vocab_size: int) -> None:
+    """A 400 naming ``response_format`` when it does not compile for this tokenizer."""
+    try:
+        structured.constraint_for(response_format, tokenizer, vocab_size)
+    except DFlashError as e:
+        raise APIError(400, str(e), "response_format") from None
 
 
 def _max_tokens(body: Sampling, prompt_tokens: int, settings: Settings, context: Optional[int]) -> int:
@@ -187,6 +195,8 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
 
     async def _complete(body: Sampling, ids: list[int], request: Request, splitter: Optional[ReplySplitter]):
         """Run the request; a chat one (with a ``splitter``) replies in parts."""
+        if body.response_format is not None:  # compiled off the event loop, like prompts
+            await _tokenized(_check_format, body.response_format, engine.tokenizer, engine.vocab_size)
         job = _submit(body, ids)
         logprobs = None if body.top_logprobs_asked() is None else Logprobs(engine.tokenizer)
         reply = Reply(settings.model_name, splitter, fingerprint, logprobs)

@@ -62,6 +62,7 @@ class Sampling(Body):
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    response_format: Optional[dict] = None  # a grammar the reply follows (dflash_mlx.structured)
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for a known field this server cannot honour."""
@@ -85,7 +86,6 @@ class ChatRequest(Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)
-    response_format: Optional[dict] = None
     enable_thinking: Optional[bool] = None
     chat_template_kwargs: Optional[dict] = None
     tools: Optional[list[dict]] = None  # OpenAI function schemas, handed to the chat template
@@ -94,9 +94,6 @@ class ChatRequest(Sampling):
     def unsupported(self) -> Optional[tuple[str, str]]:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            return "response_format", f"response_format '{kind}' is not supported; only 'text'"
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
                 return f"messages[{i}].content", "only text content parts are supported"
