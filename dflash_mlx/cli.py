@@ -447,6 +447,9 @@ def serve(
     block_size: str = typer.Option("auto", "--block-size", "-b", help="Tokens per draft block: auto (chosen each cycle from measured costs and acceptance) or 2 to twice the draft's trained size."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Draft over the N most frequent ids (the ranking beside the draft; see `dflash-mlx draft-vocab`)."),
     distributed: Optional[str] = typer.Option(None, "--distributed", help="tensor or pipeline: shard the target over the processes mlx.launch started (docs/distributed.md); rank 0 serves HTTP, the others follow."),
+    kv_bits: Optional[int] = KV_BITS,
+    kv_group_size: int = KV_GROUP_SIZE,
+    quantized_kv_start: int = QUANTIZED_KV_START,
 ):
     """OpenAI-compatible HTTP server (chat and text completions, streaming) over one DFlash pair."""
     _call(".server.command", "main", **locals())

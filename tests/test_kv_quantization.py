@@ -1,6 +1,7 @@
 """A quantized KV cache (kv_bits): token-identical to mlx-lm's generate_step
 run with the same kv_bits, kv_group_size and quantized_kv_start, whatever
-the drafts' acceptance, with exact rollback."""
+the drafts' acceptance, with exact rollback; the server's prefix cache and
+engine with it."""
 
 import mlx.core as mx
 import pytest
@@ -9,11 +10,15 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 from test_loop import OracleProposer
+from typer.testing import CliRunner
 
-from dflash_mlx import Target, generate, load_draft
+from dflash_mlx import Target, generate, load_draft, stream_generate
+from dflash_mlx.cli import app
 from dflash_mlx.decoder import SpeculativeDecoder
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kv_quantization import KVQuantization, prefill_chunks
+from dflash_mlx.server.engine import Engine
+from dflash_mlx.server.prefix_cache import PrefixCache
 
 HEAD_DIM = 32  # the tiny targets' 16 is below MLX's smallest quantization group
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 250, 3, 77]  # 11 tokens
@@ -110,3 +115,59 @@ def test_prefill_chunks_feed_the_last_token_alone_as_mlx_lm_does():
     assert prefill_chunks(3, 4, 4, True) == [(3, 4)]
     kv = KVQuantization(4, 32, start=10)
     assert [kv.block(p, 4) for p in (5, 6, 7, 10)] == [4, 4, 3, 4]
+
+
+def serve_one(cache, pair, prompt, **options):
+    """What the server's engine does for one request: (tokens, prompt tokens reused)."""
+    model, tokenizer, draft = pair
+    context = cache.take(prompt)
+    reused = len(context.tokens)
+    mark, snapshot = cache.mark(context, prompt, tokenizer)
+    tokens = [t for r in stream_generate(model, draft, tokenizer, prompt, context=context, **options)
+              for t in r.tokens]
+    cache.put(context, mark, snapshot)
+    return tokens, reused
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_prefix_cache_reuses_quantized_caches_exactly(pairs, family):
+    model, tokenizer, draft = pairs[family]
+    target = Target(model)
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=20)
+    options = dict(max_tokens=TOKENS, block_size=4, **kv)
+    cold = lambda prompt: generate(model, draft, tokenizer, prompt, **options).tokens  # noqa: E731
+    cache = PrefixCache(target, draft, budget_bytes=10**9, kv=kv)
+    long = PROMPT * 3  # 33 tokens: quantized from the prefill's last token on
+    first, reused = serve_one(cache, pairs[family], long, **options)
+    assert reused == 0 and first == cold(long)
+    # the same prompt again: the quantized cache trimmed back to all but its last token
+    # (a recurrent target is not snapshotted with kv_bits, so it starts afresh)
+    again, reused = serve_one(cache, pairs[family], long, **options)
+    assert again == first and reused == (0 if family == "qwen3_5" else len(long) - 1)
+    # branching below the start: a quantized cache is never rolled back there
+    branch = PROMPT[:10] + [400, 401, 402]
+    out, reused = serve_one(cache, pairs[family], branch, **options)
+    assert reused == 0 and out == cold(branch)
+    # a follow-up whose new tokens cross the start: converted where a cold run converts
+    cache = PrefixCache(target, draft, budget_bytes=10**9, kv=dict(kv, quantized_kv_start=40))
+    first, _ = serve_one(cache, pairs[family], PROMPT, **dict(options, quantized_kv_start=40))
+    follow = PROMPT + first + [9, 10, 11, 12, 13, 14, 15]
+    out, reused = serve_one(cache, pairs[family], follow, **dict(options, quantized_kv_start=40))
+    assert reused > len(PROMPT) and out == generate(model, draft, tokenizer, follow,
+                                                    **dict(options, quantized_kv_start=40)).tokens
+
+
+def test_the_server_engine_runs_every_request_with_its_kv_options(pairs, tmp_path):
+    model, tokenizer, draft = pairs["llama"]
+    kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=12)
+    engine = Engine("unused", "unused", block_size=4, kv=kv)
+    engine.target, engine.draft, engine.tokenizer = Target(model), draft, tokenizer
+    got = [t for r in engine._stream(PROMPT, max_tokens=TOKENS) for t in r.tokens]
+    assert got == mlx_lm_tokens(model, TOKENS, KVQuantization(8, 32, 12), step=2048)
+    assert isinstance(engine._prefix_cache(), PrefixCache) and engine._prefix_cache().kv == kv
+    runner = CliRunner()
+    for args, words in [(["--kv-bits", "7"], "--kv-bits must be one of"),
+                        (["--kv-bits", "4", "--kv-group-size", "20"], "--kv-group-size must be one of"),
+                        (["--kv-bits", "4", "--distributed", "tensor"], "not supported with --distributed")]:
+        res = runner.invoke(app, ["serve", "--port", "0", *args])
+        assert res.exit_code == 1 and words in res.output, (args, res.output)

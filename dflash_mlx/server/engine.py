@@ -126,8 +126,10 @@ class Engine:
     """Loads the pair on its worker thread and runs queued requests there."""
 
     def __init__(self, model: str, draft: str, block_size: Union[int, str, None] = "auto",
-                 max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None):
+                 max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None,
+                 kv: Optional[dict] = None):
         self.model_id, self.draft_id = model, draft
+        self.kv = kv or {}  # every request's quantized KV cache: stream_generate's kv_bits, ...
         self.block_size = block_size
         self.draft_vocab = draft_vocab  # every request drafts over this many top-ranked ids
         self.max_queue = max_queue
@@ -223,12 +225,12 @@ class Engine:
         return Target(model), tokenizer
 
     def _prefix_cache(self) -> PrefixCache:
-        return PrefixCache(self.target, self.draft, self.prefix_cache_bytes)
+        return PrefixCache(self.target, self.draft, self.prefix_cache_bytes, self.kv)
 
     def _stream(self, prompt: list[int], **kwargs):
-        """``stream_generate`` over this engine's pair, block size and drafting vocabulary."""
+        """``stream_generate`` over this engine's pair, block size, drafting vocabulary and KV cache."""
         return stream_generate(self.target, self.draft, self.tokenizer, prompt, block_size=self.block_size,
-                               draft_vocab=self.draft_vocab, **kwargs)
+                               draft_vocab=self.draft_vocab, **self.kv, **kwargs)
 
     def _cancelled(self, job: Job) -> bool:
         """Whether the request decoding stops at this cycle boundary (its client went away)."""

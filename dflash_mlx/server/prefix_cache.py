@@ -22,6 +22,12 @@ is taken out of the cache and the decoder extends it in place. One that
 branches off inside it (another chat with the same system prompt, a
 regenerated reply) gets a copy, and the entry stays. Entries are evicted least recently used first to stay within a byte
 budget.
+
+With a quantized KV cache (``kv_bits``), a cache that was quantized is never
+rolled back below ``quantized_kv_start`` (a fresh run attends over
+full-precision keys there, so such an entry is not reused), and recurrent
+states are not snapshotted (the split prefill would quantize at another pass
+than a fresh run does): an entry of a recurrent target is reused only as it is.
 """
 
 import copy
@@ -34,6 +40,7 @@ from mlx_lm.models.cache import ArraysCache
 from ..decoder import ContextCache
 from ..draft import DFlashDraft
 from ..generate import stream_generate
+from ..kv_quantization import DEFAULT_QUANTIZED_KV_START
 from ..target import Target
 
 MAX_ENTRIES = 8
@@ -64,8 +71,9 @@ def _nbytes(context: ContextCache, snapshot: Optional[list]) -> int:
 class PrefixCache:
     """Decoder caches of recent requests, reusable by prompts that extend them."""
 
-    def __init__(self, target: Target, draft: DFlashDraft, budget_bytes: int):
+    def __init__(self, target: Target, draft: DFlashDraft, budget_bytes: int, kv: Optional[dict] = None):
         self.target = target
+        self.kv = kv or {}  # stream_generate's kv_bits, kv_group_size, quantized_kv_start
         self.draft = draft
         self.budget = budget_bytes
         self.entries: "OrderedDict[int, Entry]" = OrderedDict()  # least recently used first
@@ -84,6 +92,9 @@ class PrefixCache:
         n = _common_prefix(tokens, prompt[: len(prompt) - 1])
         if n != len(tokens) and self._recurrent(entry.context):
             n = entry.prompt_len if entry.snapshot is not None and n >= entry.prompt_len else 0
+        quantized = any(hasattr(c, "bits") for c in entry.context.target)
+        if quantized and n < self.kv.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START):
+            n = 0  # quantized keys where a fresh run has full-precision ones
         # a sliding draft layer holds only its window: it cannot go back further
         exact = all(c.can_trim(len(tokens) - n) for c in entry.context.draft)
         return n if exact else 0
@@ -135,7 +146,7 @@ class PrefixCache:
         point a later prompt, the same one included, can start from. Otherwise
         (``len(prompt)``, None), as when nothing would be kept (a zero budget)."""
         n = len(prompt) - 1
-        if n == 0 or not self.budget or not self._snapshots(context):
+        if n == 0 or not self.budget or self.kv or not self._snapshots(context):
             return len(prompt), None
         if len(context.tokens) < n:
             # prefill to n (the token it generates is not fed); the smallest block
