@@ -14,31 +14,51 @@ tokens are the target's own (greedy), or distributed as its own sampling.
 where c_i is the acceptance probability of draft position i given positions
 before it were accepted, an exponential moving average over the cycles that
 reached position i (starting from a conservative prior), and the times come
-from the pair's measured cost curve (``cost_curve.py``). b = 1 is a plain
-target step with no draft pass; while it wins, every ``probe_every``-th cycle
-tries the best b > 1 instead, so acceptance is measured again and speculation
-comes back when the text turns predictable. Given the curve and the outcomes,
-the choices are deterministic.
+from the pair's measured cost curve (``cost_curve.py``) at the current
+context length (attention makes every pass dearer as the context grows). b = 1
+is a plain target step with no draft pass (its price includes injecting its
+position into the draft's context when the draft next runs); while it wins,
+the best b > 1 is tried now and then instead, so acceptance is measured again
+and speculation comes back when the text turns predictable. A probe costs
+what it takes beyond the plain steps that would have made its expected tokens;
+probes come every ``probe_every`` cycles, or less often when that would spend
+more than ``probe_budget`` of the plain steps' time on them. Given the curve,
+the contexts and the outcomes, the choices are deterministic, unless a
+``DriftWatch`` (``cost_curve.py``) finds the observed cycle times drifted from
+the curve: from then on the costs are scaled by what it observes.
 """
 
-from typing import Protocol
+import math
+from typing import Optional, Protocol
 
 PRIOR_ACCEPTANCE = 0.6  # c_i before any outcome: tau 2.5 at b = 16, below what trained drafts reach
 RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycles count)
-PROBE_EVERY = 8  # plain steps between probes of speculation
+PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
+PROBE_BUDGET = 0.02  # the most of the plain steps' time probes may cost beyond them
+PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
 
 
 class BlockPolicy(Protocol):
-    def choose(self) -> int:
-        """The block size of the next cycle (1: no draft, a plain target step)."""
+    def choose(self, context: int = 0) -> int:
+        """The block size of the next cycle (1: no draft, a plain target step),
+        with ``context`` tokens in the target's cache."""
 
     def update(self, block_size: int, accepted: int) -> None:
         """The outcome of the cycle just verified at ``block_size``."""
 
 
 class Costs(Protocol):
-    def cycle_seconds(self, b: int) -> float:
-        """Seconds of one cycle at block b (the draft pass included when b > 1)."""
+    def cycle_seconds(self, b: int, context: Optional[int] = None) -> float:
+        """Seconds of one cycle at block b with ``context`` tokens cached (the
+        draft pass included when b > 1)."""
+
+
+class Watch(Protocol):
+    def cycle_done(self, block_size: int, context: int) -> None:
+        """A cycle at ``block_size`` just ended (the watch keeps the time)."""
+
+    def factor(self, block_size: int) -> float:
+        """Observed over predicted seconds at ``block_size``: 1.0 until drift is seen."""
 
 
 class FixedBlock:
@@ -47,7 +67,7 @@ class FixedBlock:
     def __init__(self, block_size: int):
         self.block_size = block_size
 
-    def choose(self) -> int:
+    def choose(self, context: int = 0) -> int:
         return self.block_size
 
     def update(self, block_size: int, accepted: int) -> None:
@@ -58,15 +78,33 @@ class AdaptiveBlock:
     """Expected tokens per second from online acceptance and a cost curve."""
 
     def __init__(self, costs: Costs, max_block: int, prior: float = PRIOR_ACCEPTANCE,
-                 rate: float = RATE, probe_every: int = PROBE_EVERY):
+                 rate: float = RATE, probe_every: int = PROBE_EVERY,
+                 probe_budget: float = PROBE_BUDGET, watch: Optional[Watch] = None):
         if max_block < 1:
             raise ValueError(f"max_block must be at least 1, got {max_block}")
         self.costs = costs
         self.max_block = max_block
         self.rate = rate
         self.probe_every = probe_every
+        self.probe_budget = probe_budget
+        self.watch = watch
         self.acceptance = [prior] * (max_block - 1)  # c_1 .. c_{max_block-1}
         self.plain_steps = 0  # cycles at b = 1 since speculation last ran
+        self.context = 0  # tokens in the target's cache at the last choice
+        self._prices: tuple = (None, [])  # (what they were read for, seconds at b = 1 .. max_block)
+
+    def cycle_seconds(self, b: int) -> float:
+        """The curve's price of a cycle at b at the current context (rounded
+        down to a multiple of ``PRICE_STEP``), scaled by the drift the watch has seen."""
+        return self._seconds()[b - 1]
+
+    def _seconds(self) -> list[float]:
+        context = self.context // PRICE_STEP * PRICE_STEP
+        factors = (self.watch.factor(1), self.watch.factor(2)) if self.watch else (1.0, 1.0)
+        if self._prices[0] != (context, factors):
+            seconds = [self.costs.cycle_seconds(b, context) * factors[b > 1] for b in range(1, self.max_block + 1)]
+            self._prices = ((context, factors), seconds)
+        return self._prices[1]
 
     def expected_tokens(self, b: int) -> float:
         """E[tokens committed | b]: the target's own token plus each accepted draft."""
@@ -77,25 +115,49 @@ class AdaptiveBlock:
         return total
 
     def tokens_per_second(self, b: int) -> float:
-        return self.expected_tokens(b) / self.costs.cycle_seconds(b)
+        return self.expected_tokens(b) / self.cycle_seconds(b)
 
-    def best(self, low: int = 1) -> int:
+    def rates(self) -> list[float]:
+        """tokens_per_second at b = 1 .. max_block, in one pass."""
+        seconds, rates, total, reach = self._seconds(), [], 1.0, 1.0
+        for b in range(1, self.max_block + 1):
+            if b > 1:
+                reach *= self.acceptance[b - 2]
+                total += reach
+            rates.append(total / seconds[b - 1])
+        return rates
+
+    def best(self, low: int = 1, rates: Optional[list[float]] = None) -> int:
         """The b in [low, max_block] with the highest rate (the smallest on a tie)."""
-        sizes = range(low, self.max_block + 1)
-        return max(sizes, key=lambda b: (self.tokens_per_second(b), -b))
+        rates = rates or self.rates()
+        return max(range(low, self.max_block + 1), key=lambda b: (rates[b - 1], -b))
 
-    def choose(self) -> int:
-        b = self.best()
+    def probe_interval(self, probe: int) -> int:
+        """Cycles from one probe at block ``probe`` to the next: at least
+        ``probe_every``, and enough plain steps that the probe's loss (its
+        seconds beyond the plain steps making its expected tokens) is at most
+        ``probe_budget`` of theirs."""
+        step = self.cycle_seconds(1)
+        loss = self.cycle_seconds(probe) - self.expected_tokens(probe) * step
+        return max(self.probe_every, math.ceil(loss / (self.probe_budget * step)))
+
+    def choose(self, context: int = 0) -> int:
+        self.context = context
+        rates = self.rates()
+        b = self.best(rates=rates)
         if b > 1 or self.max_block == 1:
             self.plain_steps = 0
             return b
         self.plain_steps += 1
-        if self.plain_steps < self.probe_every:
+        probe = self.best(low=2, rates=rates)
+        if self.plain_steps < self.probe_interval(probe):
             return 1
         self.plain_steps = 0
-        return self.best(low=2)
+        return probe
 
     def update(self, block_size: int, accepted: int) -> None:
+        if self.watch:
+            self.watch.cycle_done(block_size, self.context)
         # positions 1..accepted were accepted; position accepted+1 (if drafted) was rejected
         for i in range(1, min(accepted + 1, block_size - 1) + 1):
             hit = 1.0 if i <= accepted else 0.0

@@ -1,6 +1,7 @@
-"""What a cycle costs on this machine, per block size: measured once per
-(target, draft, dtype, device), cached on disk, interpolated between the
-measured sizes. ``block_policy.AdaptiveBlock`` weighs expected tokens against it.
+"""What a cycle costs on this machine, per block size and context length:
+measured once per (target, draft, dtype, device), cached on disk, interpolated
+between the measured sizes. ``block_policy.AdaptiveBlock`` weighs expected
+tokens against it.
 
 t_target(b) is one verify cycle's target work over b tokens as the loop runs it
 (the recording forward, the logits, greedy acceptance, the rollback and the
@@ -8,7 +9,14 @@ draft's context injection of the kept position); t_draft(b) is one draft pass
 proposing b-1 tokens (the draft plus the borrowed LM head, and the argmax).
 A block of 1 is a plain target step, timed as the loop runs a run of them
 (each queued before the host waits for the one before): no draft pass,
-t_draft(1) = 0.
+t_draft(1) = 0. A plain step's position still reaches the draft's context
+cache, in one batch when the draft next runs: ``inject_s`` per position, part
+of a plain step's price.
+
+Attention makes every pass grow with the context; the weights do not. Each
+pass is timed at ``CONTEXT`` and again at ``LONG_CONTEXT`` tokens (or what the
+target's positions allow), and the difference per token is its context
+slope: t(b, n) = t(b) + slope(b) * (n - CONTEXT) for n past ``CONTEXT``.
 
 The cache lives under ``$DFLASH_MLX_CACHE_DIR`` (meant for tests), else
 ``$XDG_CACHE_HOME/dflash-mlx`` or ``~/.cache/dflash-mlx``, one JSON file per
@@ -21,12 +29,14 @@ measured again and rewritten, never trusted.
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -38,9 +48,13 @@ from .target import Target
 from .verify import greedy_verify
 
 SCHEMA = "dflash-mlx-cost-curve"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: context slopes and the injection of a plain step's position
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # measured where they fit the draft's trained size
 CONTEXT = 64  # tokens in the caches while measuring
+LONG_CONTEXT = 1024  # the second context timed, for the slopes
+INJECT_BATCH = 8  # plain steps' positions injected in one batch while measuring inject_s
+DRIFT = 1.5  # observed over predicted cycle seconds past this, or under its inverse: drifted
+DRIFT_WINDOW = 32  # the last cycles of a kind (plain, speculative) whose median ratio is judged
 BUDGET_S = 1.0  # about this long for the whole measurement
 MAX_REPEATS = 5
 PLAIN_STEPS = 8  # plain steps timed in a row for b = 1
@@ -48,19 +62,29 @@ PLAIN_STEPS = 8  # plain steps timed in a row for b = 1
 
 @dataclass(frozen=True)
 class CostCurve:
-    """Seconds per cycle at the measured block sizes, linear in between."""
+    """Seconds per cycle at the measured block sizes, linear in between, at
+    ``context`` tokens; past it each pass grows by its slope per token. No
+    slopes: the same cost at every context."""
 
     sizes: tuple[int, ...]  # increasing, starting at 1
     target_s: tuple[float, ...]
     draft_s: tuple[float, ...]  # 0 at b = 1: no draft pass
+    context: int = CONTEXT  # tokens in the caches when target_s and draft_s were timed
+    target_slope: tuple[float, ...] = ()  # seconds more per context token, per size; () none
+    draft_slope: tuple[float, ...] = ()
+    inject_s: float = 0.0  # seconds to inject one plain step's position into the draft's context
 
     def __post_init__(self):
         sizes, t, d = self.sizes, self.target_s, self.draft_s
+        slopes = (*self.target_slope, *self.draft_slope)
         ok = (len(sizes) >= 2 and len(t) == len(d) == len(sizes) and sizes[0] == 1
               and all(isinstance(b, int) and not isinstance(b, bool) for b in sizes)
               and all(a < b for a, b in zip(sizes, sizes[1:]))
-              and all(isinstance(x, (int, float)) and 0 <= x < float("inf") for x in (*t, *d))
-              and all(x > 0 for x in (*t, *d[1:])) and d[0] == 0)
+              and all(isinstance(x, (int, float)) and 0 <= x < float("inf")
+                      for x in (*t, *d, *slopes, self.inject_s))
+              and all(x > 0 for x in (*t, *d[1:])) and d[0] == 0
+              and all(len(s) in (0, len(sizes)) for s in (self.target_slope, self.draft_slope))
+              and isinstance(self.context, int) and self.context >= 0)
         if not ok:
             raise ValueError(f"not a cost curve: {self}")
 
@@ -70,25 +94,37 @@ class CostCurve:
         (b0, b1), (v0, v1) = sizes[i - 1 : i + 1], values[i - 1 : i + 1]
         return max(v0 + (v1 - v0) * (b - b0) / (b1 - b0), 0.0)  # linear past the ends too
 
-    def target(self, b: int) -> float:
-        return self._interpolate(self.sizes, self.target_s, b)
+    def _at(self, sizes, values, slopes, b: float, context: Optional[int]) -> float:
+        value = values[0] if len(sizes) == 1 else self._interpolate(sizes, values, b)
+        if not slopes or context is None or context <= self.context:
+            return value
+        slope = slopes[0] if len(sizes) == 1 else self._interpolate(sizes, slopes, b)
+        return value + slope * (context - self.context)
 
-    def draft(self, b: int) -> float:
+    def target(self, b: int, context: Optional[int] = None) -> float:
+        """One verify cycle's target work at block b with ``context`` tokens
+        cached (None: as measured)."""
+        return self._at(self.sizes, self.target_s, self.target_slope, b, context)
+
+    def draft(self, b: int, context: Optional[int] = None) -> float:
         if b == 1:
             return 0.0
-        sizes, values = self.sizes[1:], self.draft_s[1:]
-        return values[0] if len(sizes) == 1 else self._interpolate(sizes, values, b)
+        return self._at(self.sizes[1:], self.draft_s[1:], self.draft_slope[1:], b, context)
 
-    def cycle_seconds(self, b: int) -> float:
-        """t_target(b) + t_draft(b): one cycle at block b."""
-        return self.target(b) + self.draft(b)
+    def cycle_seconds(self, b: int, context: Optional[int] = None) -> float:
+        """t_target(b) + t_draft(b): one cycle at block b; a plain step (b = 1)
+        adds the deferred injection of its position (``inject_s``)."""
+        return self.target(b, context) + self.draft(b, context) + (self.inject_s if b == 1 else 0.0)
 
     def to_dict(self) -> dict:
-        return {"sizes": list(self.sizes), "target_s": list(self.target_s), "draft_s": list(self.draft_s)}
+        return {"sizes": list(self.sizes), "target_s": list(self.target_s), "draft_s": list(self.draft_s),
+                "context": self.context, "target_slope": list(self.target_slope),
+                "draft_slope": list(self.draft_slope), "inject_s": self.inject_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostCurve":
-        return cls(tuple(d["sizes"]), tuple(d["target_s"]), tuple(d["draft_s"]))
+        return cls(tuple(d["sizes"]), tuple(d["target_s"]), tuple(d["draft_s"]), d.get("context", CONTEXT),
+                   tuple(d.get("target_slope", ())), tuple(d.get("draft_slope", ())), d.get("inject_s", 0.0))
 
 
 def sizes_for(trained: int) -> tuple[int, ...]:
@@ -202,23 +238,32 @@ def _plain_step_seconds(target: Target, draft: DFlashDraft, prompt: mx.array) ->
     return seconds
 
 
-def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
-            budget_s: float = BUDGET_S) -> CostCurve:
-    """Time each pass at each size b > 1: one warm-up of each, then as many
-    repeats (1 to ``MAX_REPEATS``) as fit the budget; the median of the
-    repeats. b = 1: ``PLAIN_STEPS`` plain steps in a row."""
+def long_context(target: Target, sizes: tuple[int, ...]) -> Optional[int]:
+    """The second context timed: ``LONG_CONTEXT``, or what the target's
+    positions leave room for; None when that is too short to tell a slope."""
+    room = getattr(target.args, "max_position_embeddings", None) or LONG_CONTEXT + max(sizes) + PLAIN_STEPS + 2
+    n = min(LONG_CONTEXT, room - max(sizes) - PLAIN_STEPS - 2)
+    return n if n >= 4 * CONTEXT else None
+
+
+def _pass_seconds(target: Target, draft: DFlashDraft, sizes: tuple[int, ...], context: int,
+                  budget_s: float) -> dict:
+    """{(b, "target"|"draft"): seconds} with ``context`` tokens in the caches:
+    each pass at each size b > 1 warmed up once, then as many repeats (1 to
+    ``MAX_REPEATS``) as fit the budget, the median; b = 1: ``PLAIN_STEPS``
+    plain steps in a row."""
     layer_ids = draft.config.target_layer_ids
     proposer = proposer_for(draft, target)
     greedy = BlockSampler(SamplingParams())
     cache = target.make_cache()
-    tokens = mx.arange(CONTEXT + max(sizes), dtype=mx.int32) % target.vocab_size
-    out = target.forward(tokens[None, :CONTEXT], cache, layer_ids)
-    proposer.observe(out.features, tokens[:CONTEXT])
+    tokens = mx.arange(context + max(sizes), dtype=mx.int32) % target.vocab_size
+    out = target.forward(tokens[None, :context], cache, layer_ids)
+    proposer.observe(out.features, tokens[:context])
     mx.eval([c.state for c in cache], [c.state for c in proposer.cache])
-    y = tokens[CONTEXT - 1 : CONTEXT]
+    y = tokens[context - 1 : context]
 
     def target_pass(b: int) -> None:
-        block = tokens[CONTEXT : CONTEXT + b]
+        block = tokens[context : context + b]
         out = target.forward(block[None], cache, layer_ids, record=True)
         accepted, nxt = greedy_verify(target.logits(out.hidden), block[None, 1:])
         mx.eval(accepted, nxt)
@@ -237,9 +282,44 @@ def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
     warm = time.perf_counter() - tic
     repeats = max(1, min(MAX_REPEATS, int(max(budget_s - warm, 0) / max(warm, 1e-9))))
     seconds = {(b, kind): _median_seconds(lambda: run(b), repeats) for b, kind, run in passes}
-    seconds[1, "target"] = _plain_step_seconds(target, draft, tokens[:CONTEXT])
-    return CostCurve(tuple(sizes), tuple(seconds[b, "target"] for b in sizes),
-                     tuple(0.0 if b == 1 else seconds[b, "draft"] for b in sizes))
+    seconds[1, "target"] = _plain_step_seconds(target, draft, tokens[:context])
+    return seconds
+
+
+def _inject_seconds(target: Target, draft: DFlashDraft) -> float:
+    """Seconds per position to inject ``INJECT_BATCH`` plain steps' features
+    into the draft's context cache in one batch, as the loop does when the
+    draft next runs."""
+    proposer = proposer_for(draft, target)
+    features = mx.zeros((1, INJECT_BATCH, draft.config.feature_size), dtype=target.inner.norm.weight.dtype)
+    ids = mx.zeros((INJECT_BATCH,), dtype=mx.int32)
+
+    def inject() -> None:
+        proposer.observe(features, ids)
+        mx.eval([c.state for c in proposer.cache])
+
+    inject()  # warm-up
+    return _median_seconds(inject, MAX_REPEATS) / INJECT_BATCH
+
+
+def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
+            budget_s: float = BUDGET_S) -> CostCurve:
+    """Time every pass at ``CONTEXT`` and at ``long_context`` tokens (half the
+    budget each; see ``_pass_seconds``), and the injection of a plain step's
+    position. A slope the noise makes negative counts as none."""
+    near = _pass_seconds(target, draft, sizes, CONTEXT, budget_s / 2)
+    far_context = long_context(target, sizes)
+    far = near if far_context is None else _pass_seconds(target, draft, sizes, far_context, budget_s / 2)
+    span = max((far_context or CONTEXT) - CONTEXT, 1)
+
+    def column(kind: str, table: dict) -> tuple[float, ...]:
+        return tuple(0.0 if (b, kind) not in table else table[b, kind] for b in sizes)
+
+    def slope(kind: str) -> tuple[float, ...]:
+        return tuple(max((f - n) / span, 0.0) for f, n in zip(column(kind, far), column(kind, near)))
+
+    return CostCurve(tuple(sizes), column("target", near), column("draft", near), CONTEXT,
+                     slope("target"), slope("draft"), _inject_seconds(target, draft))
 
 
 def cost_curve(target: Target, draft: DFlashDraft, directory: Optional[os.PathLike] = None,
@@ -253,3 +333,58 @@ def cost_curve(target: Target, draft: DFlashDraft, directory: Optional[os.PathLi
         curve = measure(target, draft, tuple(key["sizes"]))
         write_cached(path, key, curve)
     return curve
+
+
+def forget(target: Target, draft: DFlashDraft, directory: Optional[os.PathLike] = None) -> None:
+    """Remove the pair's cached curve, so its next use measures it again."""
+    try:
+        cache_path(cache_key(target, draft), directory).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+class DriftWatch:
+    """Times the loop's cycles against the curve (the interval between the
+    ends of consecutive cycles, as the host sees them) and tells when they
+    drifted from it: when the median ratio of observed to predicted seconds
+    over the last ``DRIFT_WINDOW`` plain steps, or speculative cycles, lies
+    past ``DRIFT`` either way (a loaded machine, another power state). Then
+    ``on_drift`` runs once (``forget``: the next generation measures the curve
+    again) and ``factor`` gives each kind's median ratio from then on (to 1/8
+    of an octave), by which the policy scales the curve for the rest of the run."""
+
+    def __init__(self, curve: CostCurve, on_drift: Optional[Callable[[], None]] = None,
+                 clock: Callable[[], float] = time.perf_counter, window: int = DRIFT_WINDOW,
+                 tolerance: float = DRIFT):
+        self.curve = curve
+        self.on_drift = on_drift
+        self.clock = clock
+        self.tolerance = tolerance
+        self.ratios = {False: deque(maxlen=window), True: deque(maxlen=window)}  # by b > 1
+        self.last: Optional[float] = None
+        self.drifted = False
+        self.factors = (1.0, 1.0)
+
+    def cycle_done(self, block_size: int, context: int) -> None:
+        now = self.clock()
+        if self.last is not None:
+            ratios = self.ratios[block_size > 1]
+            ratios.append((now - self.last) / self.curve.cycle_seconds(block_size, context))
+            if not self.drifted and len(ratios) == ratios.maxlen:
+                median = statistics.median(ratios)
+                if not 1 / self.tolerance <= median <= self.tolerance:
+                    self.drifted = True
+                    if self.on_drift:
+                        self.on_drift()
+            if self.drifted:
+                self._rescale()
+        self.last = now
+
+    def _rescale(self) -> None:
+        medians = {kind: statistics.median(r) for kind, r in self.ratios.items() if len(r) >= 3}
+        plain = medians.get(False, medians.get(True, 1.0))
+        step = lambda m: 2 ** (round(math.log2(max(m, 1e-9)) * 8) / 8)  # noqa: E731
+        self.factors = (step(plain), step(medians.get(True, plain)))
+
+    def factor(self, block_size: int) -> float:
+        return self.factors[block_size > 1]

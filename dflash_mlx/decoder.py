@@ -32,7 +32,11 @@ class Proposer(Protocol):
     """
 
     def observe(self, features: mx.array, tokens: mx.array) -> None:
-        """Features [1, T, k*H] and ids [T] of the next T committed positions."""
+        """Features [1, T, k*H] and ids [T] of the next T committed positions.
+
+        A proposer that sees only the latest positions also has
+        ``visible_rows() -> int or None`` and ``skip(n)``, told the prompt
+        positions its blocks will never see instead of their features."""
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
         """Logits [b-1, V] for the b-1 tokens following token y ([1])."""
@@ -62,6 +66,17 @@ class DraftProposer:
 
     def observe(self, features: mx.array, tokens: mx.array) -> None:
         self.draft.inject(features, self.cache)
+
+    def visible_rows(self) -> Optional[int]:
+        """How many of the latest context positions the next block can see
+        (every layer attends through a sliding window); None: all of them."""
+        keeps = [c.keep for c in self.cache]
+        return None if None in keeps else max(keeps)
+
+    def skip(self, n: int) -> None:
+        """The next ``n`` positions, which no block will see: counted, not injected."""
+        for c in self.cache:
+            c.skip(n)
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
         return self.draft.scale_logits(self.head(self.block_hidden(y, block_size)))
@@ -212,7 +227,7 @@ class SpeculativeDecoder:
             chunk = prompt[start:stop]
             self._quantize_kv()
             out = self.target.forward(chunk[None], self.cache, self.layer_ids)
-            self.proposer.observe(out.features, chunk)
+            self._observe_prompt(out.features, chunk, start, prompt.size)
             mx.eval([c.state for c in self.cache], out.hidden)
             mx.clear_cache()
         self.tokens.extend(prompt[len(self.tokens) :].tolist())
@@ -226,9 +241,23 @@ class SpeculativeDecoder:
         self._queue_draft()
         return first
 
+    def _observe_prompt(self, features: mx.array, chunk: mx.array, start: int, end: int) -> None:
+        """Hand the proposer a prompt chunk's rows (positions start..): only
+        those its next block can still see at the prompt's ``end`` (a draft
+        whose layers all attend through sliding windows), the others skipped.
+        The injection is left lazy: it runs with the first draft pass, not
+        before the first token."""
+        visible = getattr(self.proposer, "visible_rows", None)
+        rows = visible() if visible else None
+        skip = 0 if rows is None else min(max(end - rows - start, 0), chunk.size)
+        if skip:
+            self.proposer.skip(skip)
+        if skip < chunk.size:
+            self.proposer.observe(features[:, skip:], chunk[skip:])
+
     def _queue_draft(self) -> None:
         # start drafting the next block while the host streams this cycle's text
-        self.block_size = self.policy.choose()
+        self.block_size = self.policy.choose(len(self.tokens))
         if self.kv:
             self.block_size = self.kv.block(len(self.tokens), self.block_size)
         if self.block_size == 1:  # speculation off: a plain target step, no draft pass

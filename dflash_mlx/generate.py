@@ -173,7 +173,7 @@ def stream_generate(
     (``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
     {"schema": ...}}``) or ``{"type": "regex", "regex": ...}`` /
     ``{"type": "grammar", "grammar": <Lark>}`` (``structured.py``): exactly
-    what the target alone decodes under the grammar's mask (not with ``tree_budget``).
+    what the target alone decodes under the grammar's mask.
     ``logprobs=True`` gives each response the target's log-probabilities over
     the vocabulary at each emitted token's position (``logits - logsumexp``
     after the logits processors, before temperature and top-p/k: what mlx-lm's
@@ -202,9 +202,6 @@ def stream_generate(
     if draft_vocab is not None:
         head = subset_head(target, draft.vocab_ranking, draft_vocab)  # an integer >= 1: checked above
     constraint = structured.constraint_for(response_format, tokenizer, target.vocab_size)
-    if constraint and tree_budget:
-        raise DFlashError("response_format cannot be combined with tree_budget (DDTree); "
-                          "use the chain (tree_budget=None)")
     sampler = BlockSampler(
         SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -235,7 +232,7 @@ def stream_generate(
                               prefill_step_size, sampler, context.target, context.tokens)
     else:
         if block_size == validate.AUTO:
-            policy = AdaptiveBlock(cost_curve or costs.cost_curve(target, draft), trained)
+            policy = auto_policy(target, draft, cost_curve)
         else:
             policy = FixedBlock(block_size)
         decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,
@@ -285,6 +282,17 @@ def stream_generate(
             cycles += 1
             if cycles % CLEAR_CACHE_EVERY == 0:
                 mx.clear_cache()
+
+
+def auto_policy(target: Target, draft: DFlashDraft, curve: Optional[costs.CostCurve]) -> AdaptiveBlock:
+    """``block_size="auto"``'s policy: on the given curve as it is, or on the
+    pair's measured one watched for drift (measured again next time once the
+    cycles drift from it)."""
+    if curve is not None:
+        return AdaptiveBlock(curve, draft.config.block_size)
+    curve = costs.cost_curve(target, draft)
+    watch = costs.DriftWatch(curve, on_drift=lambda: costs.forget(target, draft))
+    return AdaptiveBlock(curve, draft.config.block_size, watch=watch)
 
 
 def generate(model, draft, tokenizer, prompt, **kwargs) -> GenerationResult:

@@ -67,6 +67,8 @@ def test_a_real_measurement_gives_a_valid_curve_over_the_trained_sizes(pair, tmp
     curve = cc.cost_curve(target, draft, tmp_path)
     assert curve.sizes == (1, 2, 4, 8)
     assert all(t > 0 for t in curve.target_s) and all(d > 0 for d in curve.draft_s[1:])
+    assert len(curve.target_slope) == len(curve.draft_slope) == 4 and curve.context == cc.CONTEXT
+    assert min(curve.target_slope + curve.draft_slope) >= 0 and curve.inject_s > 0
     assert cc.cost_curve(target, draft, tmp_path) == curve  # read back, not measured again
 
 
@@ -157,3 +159,84 @@ def test_bench_calibrate_prints_the_curve_and_caches_it(target_dirs, draft_dir, 
     main_calibrate(model=str(target_dirs["qwen3"]), draft=str(draft_dir("qwen3", block_size=8)),
                    dtype="auto", out=out, err=err)
     assert len(counted) == 2  # --calibrate always measures afresh
+
+
+# measured at 100 tokens: each pass grows by its slope per token past them
+CONTEXTUAL = CostCurve((1, 2, 4), (1.0, 2.0, 4.0), (0.0, 1.0, 3.0), 100, (0.01, 0.02, 0.04), (0.0, 0.1, 0.1), 0.5)
+
+
+def test_the_curve_grows_with_the_context_by_its_slopes():
+    assert CONTEXTUAL.target(2, 300) == pytest.approx(2.0 + 0.02 * 200)
+    assert CONTEXTUAL.target(3, 300) == pytest.approx(3.0 + 0.03 * 200)  # the slope interpolated too
+    assert CONTEXTUAL.draft(4, 1100) == pytest.approx(3.0 + 0.1 * 1000)
+    assert CONTEXTUAL.target(2, 50) == CONTEXTUAL.target(2) == 2.0  # never below the measured context
+    assert CONTEXTUAL.cycle_seconds(1, 300) == pytest.approx(1.0 + 2.0 + 0.5)  # a plain step and its injection
+    assert CONTEXTUAL.cycle_seconds(2, 300) == pytest.approx(6.0 + 21.0)
+    assert CostCurve.from_dict(json.loads(json.dumps(CONTEXTUAL.to_dict()))) == CONTEXTUAL
+    assert SYNTHETIC.target(2, 10**6) == SYNTHETIC.target(2)  # no slopes: context-blind
+    with pytest.raises(ValueError):
+        CostCurve((1, 2), (1.0, 2.0), (0.0, 1.0), 64, (0.01,), ())  # a slope per size, or none
+    with pytest.raises(ValueError):
+        CostCurve((1, 2), (1.0, 2.0), (0.0, 1.0), 64, (0.01, -0.01), ())
+
+
+def test_the_long_context_fits_the_targets_positions(pair):
+    target, _ = pair
+    sizes = (1, 2, 4, 8)
+    assert cc.long_context(target, sizes) == min(cc.LONG_CONTEXT, target.args.max_position_embeddings - 8 - 10)
+    target.args.max_position_embeddings, saved = 200, target.args.max_position_embeddings
+    try:
+        assert cc.long_context(target, sizes) is None  # too short to tell a slope from the noise
+    finally:
+        target.args.max_position_embeddings = saved
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _cycles(watch, clock, seconds, blocks, context=100):
+    for b in blocks:
+        clock.now += seconds(b)
+        watch.cycle_done(b, context)
+
+
+def test_cycles_near_the_curve_are_no_drift():
+    clock, drifted = Clock(), []
+    watch = cc.DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)
+    _cycles(watch, clock, lambda b: 1.3 * CONTEXTUAL.cycle_seconds(b, 100), [1, 1, 2] * 20)
+    assert not drifted and watch.factor(1) == watch.factor(2) == 1.0
+
+
+def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
+    """t(1) doubles under load while the speculative cycles keep to the curve:
+    the watch says so once, and the policy weighs the cycles as observed."""
+    from dflash_mlx.block_policy import AdaptiveBlock
+
+    clock, drifted = Clock(), []
+    watch = cc.DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)
+    slowed = lambda b: CONTEXTUAL.cycle_seconds(b, 100) * (2.0 if b == 1 else 1.0)  # noqa: E731
+    _cycles(watch, clock, slowed, [1] * 7 + [2, 2, 2])
+    assert not drifted  # seven plain steps timed: not yet a window's worth
+    _cycles(watch, clock, slowed, [1] * 3)
+    assert drifted == [True] and watch.factor(1) == 2.0 and watch.factor(2) == 1.0
+    _cycles(watch, clock, slowed, [1] * 20)
+    assert drifted == [True]  # once
+    curve = CostCurve((1, 2), (1.0, 2.2), (0.0, 0.1))  # b = 2 nearly pays at tau 1.6 ...
+    policy = AdaptiveBlock(curve, 2, watch=watch)
+    assert AdaptiveBlock(curve, 2).choose() == 1
+    assert policy.choose() == 2  # ... and does once plain steps cost twice as much
+
+
+def test_forget_removes_the_cached_curve(pair, tmp_path, counted):
+    target, draft = pair
+    cc.cost_curve(target, draft, tmp_path)
+    cc.forget(target, draft, tmp_path)
+    cc.cost_curve(target, draft, tmp_path)
+    assert len(counted) == 2

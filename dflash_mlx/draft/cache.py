@@ -51,6 +51,14 @@ class DraftContextCache:
         self.offset += T
         return self.keys[..., : self.held, :], self.values[..., : self.held, :]
 
+    def skip(self, n: int) -> None:
+        """Count the next ``n`` positions without holding them, nor any before
+        them: for positions no block query will see (the caller knows the
+        ``keep`` positions after them follow)."""
+        self.offset += n
+        self.start = self.offset
+        self.keys = self.values = None
+
     def trim(self, n: int) -> int:
         """Forget the newest ``n`` positions (no further back than ``start``)."""
         n = min(n, self.held)

@@ -1,0 +1,177 @@
+"""Long contexts (issue 32): a plain step does the target work of mlx-lm's own
+step and defers the draft's share to one batch; the prefill hands a sliding
+draft only the rows its windows can still see; the adaptive policy prices the
+context, and probes within their budget. Work is counted, never timed."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.generate import generate_step
+
+from dflash_mlx import Target, generate, load_draft
+from dflash_mlx.block_policy import PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
+from dflash_mlx.cost_curve import CostCurve
+from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder, proposer_for
+from test_loop import greedy_reference
+
+PROMPT = [3, 17, 5, 9, 22, 41, 7, 13, 2, 30, 11, 8, 19, 27, 4, 16, 6, 25, 14, 33]
+
+
+class CountedLayer:
+    """A target layer that counts its calls and the rows each call feeds."""
+
+    def __init__(self, layer, log):
+        self.layer, self.log = layer, log
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["layer"], name)
+
+    def __call__(self, h, *args, **kwargs):
+        self.log.append(h.shape[1])
+        return self.layer(h, *args, **kwargs)
+
+
+def counted_model(path):
+    """mlx-lm's model with every layer counted; returns (model, per-layer call logs)."""
+    model, _ = mlx_lm_load(str(path))
+    layers = model.language_model.model.layers if hasattr(model, "language_model") else model.model.layers
+    logs = [[] for _ in layers]
+    layers[:] = [CountedLayer(layer, log) for layer, log in zip(layers, logs)]
+    return model, logs
+
+
+class CountingProposer(DraftProposer):
+    """The real draft proposer, counting the positions of each injection and the draft passes."""
+
+    def __init__(self, draft, target):
+        super().__init__(draft, target)
+        self.injected, self.passes = [], 0
+
+    def observe(self, features, tokens):
+        self.injected.append(tokens.size)
+        super().observe(features, tokens)
+
+    def block_hidden(self, y, block_size):
+        self.passes += 1
+        return super().block_hidden(y, block_size)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_a_plain_step_runs_the_targets_layers_as_mlx_lms_step_does(target_dirs, draft_dir, family):
+    """At b = 1 every layer runs once per token on that token alone, through the
+    layer's own forward (a recording GatedDeltaNet pass would bypass it), as in
+    mlx-lm's generate_step; the draft never runs, and the plain steps'
+    positions reach its context cache in one batch when generation ends."""
+    n = 12
+    draft = load_draft(str(draft_dir(family, block_size=4)))
+    theirs, their_logs = counted_model(target_dirs[family])
+    want = [t for t, _ in generate_step(mx.array(PROMPT), theirs, max_tokens=n)]
+    ours, our_logs = counted_model(target_dirs[family])
+    target = Target(ours)
+    proposer = CountingProposer(draft, target)
+    decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, FixedBlock(1))
+    got = [decoder.prefill(mx.array(PROMPT))]
+    prefill_calls = [len(log) for log in our_logs]
+    while len(got) < n:
+        got += decoder.cycle().tokens
+    decoder.close()
+    assert got == want
+    steps = [log[count:] for log, count in zip(our_logs, prefill_calls)]
+    assert all(step == [1] * len(step) for step in steps)  # one token per call, every step
+    assert all(len(step) == len(steps[0]) >= n - 1 for step in steps)  # every layer, every step
+    their_steps = [log[1:] for log in their_logs]  # after mlx-lm's prompt pass
+    assert all(t == [1] * len(t) for t in their_steps) and len(steps[0]) <= len(their_steps[0])
+    assert proposer.passes == 0
+    assert proposer.injected == [len(PROMPT), len(steps[0])]  # the prompt, then one batch of the steps
+    assert all(c.offset == len(PROMPT) + len(steps[0]) for c in proposer.cache)
+
+
+def test_plain_steps_are_injected_in_one_batch_before_the_next_draft_pass(target_dirs, draft_dir):
+    model, _ = mlx_lm_load(str(target_dirs["qwen3"]))
+    target, draft = Target(model), load_draft(str(draft_dir("qwen3", block_size=4)))
+
+    class Scripted:
+        blocks = [1, 1, 1, 1, 4, 4]
+
+        def choose(self, context=0):
+            return self.blocks.pop(0)
+
+        def update(self, block_size, accepted):
+            pass
+
+    proposer = CountingProposer(draft, target)
+    decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, Scripted())
+    decoder.prefill(mx.array(PROMPT))
+    for _ in range(4):
+        decoder.cycle()
+    assert proposer.injected == [len(PROMPT), 4] and proposer.passes == 1  # batched right before the pass
+    assert all(c.offset == len(PROMPT) + 4 for c in proposer.cache)
+
+
+@pytest.mark.parametrize("step", [5, 64])
+def test_prefill_hands_a_sliding_draft_only_the_rows_its_windows_see(target_dirs, draft_dir, step):
+    window = 4  # a block query sees the last window - 1 = 3 context positions
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    draft = load_draft(str(draft_dir("qwen3", block_size=4, layer_types=["sliding_attention"] * 2,
+                                     sliding_window=window)))
+    target = Target(model)
+    proposer = CountingProposer(draft, target)
+    decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, 4, prefill_step_size=step)
+    decoder.prefill(mx.array(PROMPT))
+    assert sum(proposer.injected) == window - 1
+    assert all(c.offset == len(PROMPT) and c.start == len(PROMPT) - (window - 1) for c in proposer.cache)
+    everything = proposer_for(draft, target)  # every prompt row injected
+    out = target.forward(mx.array(PROMPT)[None], target.make_cache(), draft.config.target_layer_ids)
+    everything.observe(out.features, mx.array(PROMPT))
+    y = decoder.pending
+    assert mx.allclose(proposer.propose(y, 4), everything.propose(y, 4), rtol=1e-5, atol=1e-5)
+    got = generate(target, draft, tokenizer, PROMPT, block_size=4, max_tokens=16, prefill_step_size=step)
+    assert got.tokens == greedy_reference(model, PROMPT, 16)
+
+
+def test_a_full_attention_draft_gets_every_prompt_row(target_dirs, draft_dir):
+    model, _ = mlx_lm_load(str(target_dirs["qwen3"]))
+    draft = load_draft(str(draft_dir("qwen3", block_size=4, layer_types=["sliding_attention", "full_attention"],
+                                     sliding_window=4)))
+    target = Target(model)
+    proposer = CountingProposer(draft, target)
+    SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, 4, prefill_step_size=6).prefill(
+        mx.array(PROMPT))
+    assert proposer.injected == [6, 6, 6, 2]
+
+
+# a verify pass costs 1 + b/10 plus 0.001 per context token; the draft pass
+# 0.2 + b/50 plus 0.004 per context token (its full attention over the context)
+CONTEXTUAL = CostCurve((1, 2, 16), (1.0, 1.1, 2.5), (0.0, 0.24, 0.52), 0,
+                       (0.001, 0.001, 0.001), (0.0, 0.004, 0.004))
+
+
+def test_the_curve_prices_the_context():
+    assert CONTEXTUAL.target(2, 1000) == pytest.approx(2.1) and CONTEXTUAL.draft(2, 1000) == pytest.approx(4.24)
+    assert CONTEXTUAL.cycle_seconds(1, 1000) == pytest.approx(2.0)  # no draft pass at b = 1
+    assert CONTEXTUAL.target(4) == CONTEXTUAL.target(4, 0)  # no context: as measured
+
+
+def test_the_policy_speculates_less_as_the_context_grows():
+    short, long = AdaptiveBlock(CONTEXTUAL, 16, prior=0.7), AdaptiveBlock(CONTEXTUAL, 16, prior=0.7)
+    assert short.choose(64) > 1
+    assert long.choose(4096) == 1  # the draft's attention over the context outweighs its tokens
+    for b in (1, 2, 8):  # rates at the rounded-down context
+        assert long.cycle_seconds(b) == CONTEXTUAL.cycle_seconds(b, 4096)
+
+
+def test_probes_cost_at_most_their_budget_of_the_plain_steps():
+    curve = CostCurve((1, 16), (1.0, 4.0), (0.0, 1.0))  # a probe loses about a plain step's time
+    policy = AdaptiveBlock(curve, 4)
+    chosen, loss, step = [], 0.0, curve.cycle_seconds(1)
+    for _ in range(2000):
+        b = policy.choose()
+        chosen.append(b)
+        if b > 1:  # what the probe costs beyond the plain steps making its expected tokens
+            loss += curve.cycle_seconds(b) - policy.expected_tokens(b) * step
+        policy.update(b, 0)
+    probes = [i for i, b in enumerate(chosen) if b > 1]
+    assert len(probes) > 10 and min(j - i for i, j in zip(probes, probes[1:])) > PROBE_EVERY
+    assert loss <= PROBE_BUDGET * step * (len(chosen) - len(probes)) * 1.05
+    cheap = AdaptiveBlock(CostCurve((1, 2), (1.0, 1.6), (0.0, 0.05)), 2)  # nearly pays: the floor applies
+    assert cheap.probe_interval(2) == PROBE_EVERY
