@@ -429,6 +429,11 @@ def bench(
     kv_bits: Optional[int] = KV_BITS,
     kv_group_size: int = KV_GROUP_SIZE,
     quantized_kv_start: int = QUANTIZED_KV_START,
+    distributed: Optional[str] = typer.Option(None, "--distributed", help="tensor or pipeline: a measured run on a target sharded over the processes mlx.launch started (only rank 0 prints and writes); with --predict --machines, price only this sharding (default: both). docs/distributed.md."),
+    machines: int = typer.Option(1, "--machines", help="--predict: price the target sharded over this many Macs of each --chip, linked by --link."),
+    link: str = typer.Option("tb5", "--link", help="--predict --machines: tb5 (Thunderbolt 5 RDMA, JACCL backend), tb5-ring or tb4-ring (TCP, ring backend); figures and sources in docs/distributed.md."),
+    link_latency_us: Optional[float] = typer.Option(None, "--link-latency-us", help="--predict --machines: the link's latency per collective step, in microseconds, instead of --link's."),
+    link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="--predict --machines: the link's bandwidth one way, in GB/s, instead of --link's."),
 ):
     """Baseline (mlx-lm), DFlash chains and DDTrees side by side: speedup, tau, acceptance, memory, identity."""
     _call(".bench.command", "main", **locals())

@@ -1,7 +1,10 @@
 """bench --predict --machines: the cross-machine rounds of a sharded target,
 against figures worked out by hand."""
 
+import json
+
 import pytest
+from cli_run import cli, one_error_line
 
 from dflash_mlx import DFlashError
 from dflash_mlx.bench import cluster as c
@@ -94,3 +97,26 @@ def test_link_figures_can_be_overridden_and_bad_ones_are_one_line():
         c.find_link("tb9")
     with pytest.raises(DFlashError, match="--link-gbs must be a positive number"):
         c.find_link("tb5", bandwidth_gbs=0.0)
+
+
+def test_cli_prints_and_writes_the_cluster_prediction(tmp_path):
+    out = tmp_path / "cluster.json"
+    done = cli("bench", "--predict", "--preset", "qwen3.5-397b-a17b-4bit", "--machines", "2",
+               "--chip", "M3 Ultra", "--link", "tb5-ring", "--link-latency-us", "100", "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert "predicted decode speed on 2 Macs" in done.stdout and "tensor" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["link"]["latency_us"] == 100.0 and report["link"]["bandwidth_gbs"] == 10.0
+    assert {r["mode"] for r in report["predictions"]} == {"tensor", "pipeline"}
+    assert all(r["machines"] == 2 and r["chip"] == "M3 Ultra" for r in report["predictions"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--machines", "2"], "--machines prices a cluster with --predict"),
+    (["--predict", "--preset", "qwen3.5-9b", "--machines", "2", "--link", "tb9"], "unknown --link 'tb9'"),
+    (["--predict", "--preset", "qwen3.5-9b", "--machines", "2", "--tree-budget", "8"],
+     "--predict --machines prices chains"),
+    (["--calibrate", "--distributed", "tensor"], "--distributed applies to a measured run"),
+])
+def test_cli_cluster_options_refused_in_one_line(args, message):
+    one_error_line(cli("bench", *args), message)

@@ -27,19 +27,20 @@ def print_curve(curve: CostCurve, out, title: str) -> None:
     out.print(t)
 
 
-def load_pair(pair, dtype: str, draft_dtype: str = "auto"):
+def load_pair(pair, dtype: str, draft_dtype: str = "auto", launch=None):
     """(target model, tokenizer, draft, dtype used) for a resolved pair: ``auto``
     is float32 on the CPU backend (its fast matmuls) and the checkpoints' own
     dtype elsewhere, ``keep`` the checkpoints' own. ``draft_dtype`` (``--draft-dtype``)
-    other than auto sets the draft's instead (``precision.choose_draft_dtype``)."""
+    other than auto sets the draft's instead (``precision.choose_draft_dtype``).
+    On a rank of ``launch`` (``distributed.Launch``) the target is its sharded ``Target``."""
     from ..loading import load, load_draft
 
-    target, tokenizer = load(pair.target)
+    target, tokenizer = launch.load(pair.target) if launch else load(pair.target)
     draft = load_draft(pair.draft, dtype=draft_dtype)
     if dtype == "auto":
         dtype = "float32" if mx.default_device() == mx.cpu else "keep"
     if dtype != "keep":
-        target.set_dtype(getattr(mx, dtype))
+        (target.model if launch else target).set_dtype(getattr(mx, dtype))
         if draft_dtype == "auto":
             draft.set_dtype(getattr(mx, dtype))
     return target, tokenizer, draft, dtype

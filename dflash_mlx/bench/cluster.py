@@ -235,18 +235,20 @@ def main_predict_cluster(*, model: Optional[str], draft: Optional[str], preset: 
               f"{gb / machines:.1f} GB per machine over {machines}; draft {names[1]} on every machine")
     out.print(f"link: {link.name}: {link.latency_us:g} us per step, {link.bandwidth_gbs:g} GB/s ({link.source})")
     table = Table(title=f"predicted decode speed on {machines} Macs at {context} tokens of context")
-    for col in ("chip", "mode", "b", "tau", "steps/pass", "KB/step", "KB/verify", "link ms step",
+    for col in ("chip", "mode", "b", "tau", "link steps", "KB/step", "KB/verify", "link ms step",
                 "link ms verify", "mlx-lm tok/s", "DFlash tok/s", "speedup"):
         table.add_column(col, justify="left" if col in ("chip", "mode") else "right")
     for r in rows:
-        table.add_row(r["chip"], r["mode"], str(r["block_size"]), f"{r['tau']:.2f}", str(r["step_steps"]),
+        steps = str(r["step_steps"]) + ("" if r["verify_steps"] == r["step_steps"] else f"/{r['verify_steps']}")
+        table.add_row(r["chip"], r["mode"], str(r["block_size"]), f"{r['tau']:.2f}", steps,
                       f"{r['step_comm_bytes'] / 1e3:.1f}", f"{r['verify_comm_bytes'] / 1e3:.1f}",
                       f"{r['step_comm_ms']:.2f}", f"{r['verify_comm_ms']:.2f}", f"{r['ar_tps']:.1f}",
                       f"{r['dflash_tps']:.1f}", f"{r['speedup']:.2f}x")
     out.print(table)
-    out.print("steps/pass: latency-bound link steps of one target pass, the same for a decode step and a "
-              "verify pass; KB: what each machine sends per pass; speedup: DFlash over mlx-lm sharded the "
-              "same way on the same machines (memory and compute overlapped, link time added).")
+    out.print("link steps: latency-bound steps of one target pass, as many for a verify pass of b tokens as for "
+              "a decode step (pipeline: step/verify, dflash-mlx's final all-reduce of the draft's features "
+              "against mlx-lm's all-gather); KB: what each machine sends per pass; speedup: DFlash over mlx-lm "
+              "sharded the same way on the same machines (memory and compute overlapped, link time added).")
     report = {"schema": "dflash-mlx-predict-cluster", "schema_version": 1,
               "target": {"name": names[0], "params": tp.params, "weight_bytes": tp.weight_bytes},
               "draft": {"name": names[1], "params": dp.params}, "context": context, "machines": machines,

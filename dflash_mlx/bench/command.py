@@ -9,19 +9,21 @@ from typing import Callable, Optional
 from .. import validate
 from ..chat import has_template, thinking_note
 from ..cost_curve import cost_curve
+from ..distributed import session, shared_cost_curve, talks
 from ..draft import DraftConfig, is_dflash2
 from ..errors import DFlashError
 from ..precision import choose_draft_dtype, dtype_name
 from ..registry import read_config, resolve_pair
 from ..target import Target
 from .calibrate import load_pair, main_calibrate
+from .cluster import MODES, find_link, main_predict_cluster
 from .cost_model import context_length
 from .long_context import PROMPTS_PER_CONTEXT, context_prompts, context_summary, fitting, parse_context, render_contexts
 from .predict import main_predict
 from .prompts import select_prompts
 from .render import console, plot, render
 from .report import check_output_file, machine_info, make_report, validate_report, write_json
-from .runs import run_bench
+from .runs import run_bench, sharded_runners
 from .schedule import arms
 from .synthetic import main_synthetic
 
@@ -78,7 +80,9 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
          preset: Optional[str], chip: Optional[list[str]], context: Optional[list[str]],
          neural_accelerators: bool, overhead_ms: float, calibrate: bool, synthetic: bool,
          draft_vocab: Optional[int] = None, draft_dtype: str = "auto", kv_bits: Optional[int] = None,
-         kv_group_size: int = 64, quantized_kv_start: int = 5000) -> None:
+         kv_group_size: int = 64, quantized_kv_start: int = 5000, distributed: Optional[str] = None,
+         machines: int = 1, link: str = "tb5", link_latency_us: Optional[float] = None,
+         link_gbs: Optional[float] = None) -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed."""
     sizes = parse_block_sizes(block_size)
     budgets = parse_tree_budgets(tree_budget)
@@ -101,6 +105,12 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
         raise DFlashError("--calibrate, --predict and --synthetic are separate modes: give one")
     if budgets and (calibrate or synthetic):
         raise DFlashError("--tree-budget applies to a measured run or --predict, not --calibrate or --synthetic")
+    if machines != 1 and not predict:
+        raise DFlashError("--machines prices a cluster with --predict; to measure one, run bench under "
+                          "mlx.launch with --distributed (docs/distributed.md)")
+    if distributed is not None and (calibrate or synthetic):
+        raise DFlashError("--distributed applies to a measured run or --predict --machines, "
+                          "not --calibrate or --synthetic")
     if calibrate:
         main_calibrate(model=model, draft=draft, dtype=dtype, draft_dtype=draft_dtype)
         return
@@ -118,6 +128,16 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
             raise DFlashError("--predict prices fixed block sizes; leave 'auto' out of --block-size")
         if len(contexts) > 1:
             raise DFlashError("--predict prices one context: give one --context value")
+        if machines != 1 or distributed is not None:
+            if budgets or draft_vocab is not None or kv is not None or results:
+                raise DFlashError("--predict --machines prices chains: leave out --tree-budget, --draft-vocab, "
+                                  "--kv-bits and --results")
+            main_predict_cluster(model=model, draft=draft, preset=preset, tau=tau, block_sizes=sizes, chips=chip,
+                                 context=contexts[0] if contexts else 1024,
+                                 dtype=None if dtype in ("auto", "keep") else dtype, machines=machines,
+                                 link=find_link(link, link_latency_us, link_gbs),
+                                 modes=[distributed] if distributed else list(MODES), json_out=json_out)
+            return
         main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
                      block_sizes=sizes, tree_budgets=budgets, tree_tau=tree_tau, chips=chip,
                      context=contexts[0] if contexts else 1024, kv=kv, dtype=None if dtype in ("auto", "keep") else dtype,
@@ -138,11 +158,14 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
         check_output_file(plot_out, "--plot")
         validate.writable(plot_out, "--plot")
-    main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, block_sizes=sizes,
-             tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit,
-             categories=category, dtype=dtype, chat_template=not no_chat_template,
-             enable_thinking=thinking, warmup=warmup, json_out=json_out, plot_out=plot_out,
-             draft_vocab=draft_vocab, draft_dtype=draft_dtype, contexts=contexts, kv=kv)
+    if distributed is not None and (budgets or draft_vocab is not None):
+        raise DFlashError("--tree-budget and --draft-vocab are not supported with --distributed; leave them out")
+    with session(distributed) as launch:
+        main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, block_sizes=sizes,
+                 tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit,
+                 categories=category, dtype=dtype, chat_template=not no_chat_template,
+                 enable_thinking=thinking, warmup=warmup, json_out=json_out, plot_out=plot_out,
+                 draft_vocab=draft_vocab, draft_dtype=draft_dtype, contexts=contexts, kv=kv, launch=launch)
 
 
 def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
@@ -151,7 +174,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
              chat_template: bool, enable_thinking: Optional[bool], warmup: bool,
              json_out: Optional[str], plot_out: Optional[str], draft_vocab: Optional[int] = None,
              draft_dtype: str = "auto", contexts: Optional[list[int]] = None, kv: Optional[dict] = None,
-             err=None, out=None) -> dict:
+             launch=None, err=None, out=None) -> dict:
     """The measured benchmark: prompts and pair resolved, block sizes checked
     against the draft's config and tree budgets against the target's context
     length before the models load; the tables, then the JSON report and the
@@ -160,7 +183,9 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     ``draft_dtype`` other than auto sets the draft's dtype apart from ``dtype``.
     ``contexts``: instead of ``prompts``, ``limit`` (default 3) prompts of each
     of these token lengths (``long_context.py``), each that fits the target,
-    and the per-context table; ``kv``: both sides quantize the KV cache."""
+    and the per-context table; ``kv``: both sides quantize the KV cache.
+    ``launch``: this rank of a distributed launch (``distributed.Launch``):
+    the target is sharded, every rank runs every arm, only rank 0 prints and writes."""
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn, TimeRemainingColumn)
 
@@ -182,13 +207,16 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     if contexts:
         contexts = fitting(contexts, max_tokens, context_length(read_config(pair.target, "target")), warn)
     thinking = pair.enable_thinking if enable_thinking is None else enable_thinking
-    target, tokenizer, dft, dtype = load_pair(pair, dtype, draft_dtype)
+    target, tokenizer, dft, dtype = load_pair(pair, dtype, draft_dtype, launch)
     if contexts:
         chosen = context_prompts(tokenizer, contexts, limit or PROMPTS_PER_CONTEXT)
     if chat_template and has_template(tokenizer):
         err.print(thinking_note(thinking), markup=False, highlight=False)
     if validate.AUTO in block_sizes:  # measured (or read) here, off the clock of every run
-        cost_curve(Target(target), dft)
+        if launch:
+            shared_cost_curve(target, dft, launch.group)
+        else:
+            cost_curve(Target(target), dft)
     steps = (len(chosen) * repeat + int(warmup)) * (1 + len(dflash_arms))
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
@@ -206,7 +234,8 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
         result = run_bench(target, dft, tokenizer, chosen, arms=dflash_arms,
                            max_tokens=max_tokens, repeat=repeat, sampling=sampling,
                            chat_template=chat_template, enable_thinking=thinking,
-                           warmup_tokens=16 if warmup else 0, on_step=on_step, draft_vocab=draft_vocab, kv=kv)
+                           warmup_tokens=16 if warmup else 0, on_step=on_step, draft_vocab=draft_vocab, kv=kv,
+                           runners=sharded_runners(launch) if launch else None)
         progress.advance(task)
     config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,
               "block_sizes": block_sizes, "tree_budgets": tree_budgets, "tree_block_size": tree_block,
@@ -215,17 +244,18 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
               "categories": categories, "limit": limit, "warmup": warmup,
               "draft_trained_block_size": trained, "draft_vocab": draft_vocab, "draft_dtype": dtype_name(dft),
               "draft_architecture": "dflash2" if is_dflash2(draft_config) else "v1",
-              "contexts": contexts, "kv": kv}
+              "contexts": contexts, "kv": kv,
+              "distributed": f"{launch.mode} x{launch.group.size()}" if launch else None}
     report = make_report(result, config, machine_info())
     validate_report(report)
     render(report, out)
     if contexts:
         report["contexts"] = context_summary(result["runs"], result["pairs"], dflash_arms, contexts)
         render_contexts(report["contexts"], out)
-    if json_out:
+    if json_out and (launch is None or talks(launch.group)):
         write_json(report, json_out)
         err.print(f"wrote {json_out}")
-    if plot_out:
+    if plot_out and (launch is None or talks(launch.group)):
         plot(report, plot_out)
         err.print(f"wrote {plot_out}")
     return report

@@ -84,14 +84,15 @@ def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: di
 
 def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_size: int,
                sampling: dict, tree_budget: Optional[int] = None, draft_vocab: Optional[int] = None,
-               kv: Optional[dict] = None) -> dict:
+               kv: Optional[dict] = None, stream: Optional[Callable] = None) -> dict:
     """DFlash ``stream_generate`` (a DDTree of ``tree_budget`` nodes per cycle
     if given, else the chain; drafting over ``draft_vocab`` ids if given); adds
-    the per-cycle accepted draft counts."""
+    the per-cycle accepted draft counts. ``stream`` replaces ``stream_generate``
+    (a rank of a distributed launch: ``distributed.Launch.stream_generate``)."""
     from ..generate import stream_generate
 
     _fresh()
-    responses, first, total = _timed(stream_generate(
+    responses, first, total = _timed((stream or stream_generate)(
         model, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens,
         temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
         min_p=sampling["min_p"], seed=sampling.get("seed"), tree_budget=tree_budget,
@@ -102,6 +103,14 @@ def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_s
     accepted = [r.accepted for r in responses[1:]]  # the first response is the prefill token
     rec.update(cycles=len(accepted), accepted=accepted, blocks=[r.block_size for r in responses[1:]])
     return rec
+
+
+def sharded_runners(launch) -> dict:
+    """``run_bench``'s runners on a rank of ``launch`` (``distributed.Launch``),
+    whose target is a sharded ``Target``: mlx-lm decodes its model, DFlash
+    runs the group's loop."""
+    return {BASELINE: lambda target, *args, **kwargs: run_baseline(target.model, *args, **kwargs),
+            DFLASH: lambda *args, **kwargs: run_dflash(*args, stream=launch.stream_generate, **kwargs)}
 
 
 def run_bench(
