@@ -4,6 +4,7 @@ reply is reasoning, an answer and a get_weather call, or a final answer once a
 tool result is in the context), talked to with the official ``anthropic``
 client, compared with the ``openai`` client's replies for the same conversation."""
 
+import asyncio
 import json
 
 import anthropic
@@ -15,6 +16,9 @@ from test_server import KEY, running_server
 from test_server_tools import ASK, REASONING_TEXT, TOOLS, get_weather, pair, tokenizer  # noqa: F401 (fixtures)
 
 from dflash_mlx.chat import template_ids
+from dflash_mlx.server import engine as eng
+from dflash_mlx.server.anthropic import MessageReply, server_sent_events
+from dflash_mlx.server.parts import ReplySplitter
 
 TOOL = {"name": "get_weather", "description": "the weather in a city",
         "input_schema": TOOLS[0]["function"]["parameters"]}
@@ -173,6 +177,22 @@ def test_the_stream_is_anthropics_event_sequence(server):
     assert set(deltas[0]) == {"thinking_delta", "signature_delta"} and deltas[0][-1] == "signature_delta"
     assert set(deltas[1]) == {"text_delta"} and deltas[2] == ["input_json_delta"]
     assert data[0]["message"]["stop_reason"] is None and data[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_a_failure_mid_stream_is_an_error_event(tokenizer):  # noqa: F811
+    ids = template_ids(tokenizer, ASK)
+
+    async def events():
+        job = eng.Job(eng.Request(prompt=ids, max_tokens=8, sampling={}), asyncio.get_running_loop())
+        for event in (eng.Delta(" the"), eng.Failed(503, eng.SHUTTING_DOWN, "server_shutting_down")):
+            job.events.put_nowait(event)
+        return [e async for e in server_sent_events(job, MessageReply("m", ReplySplitter(tokenizer, ids, None), 9))]
+
+    sent = asyncio.run(events())
+    assert [e["event"] for e in sent] == ["message_start", "content_block_start", "content_block_delta", "error"]
+    assert json.loads(sent[2]["data"])["delta"] == {"type": "thinking_delta", "thinking": " the"}
+    error = {"type": "overloaded_error", "message": eng.SHUTTING_DOWN}
+    assert json.loads(sent[-1]["data"]) == {"type": "error", "error": error}
 
 
 def get_weather_result(call) -> dict:

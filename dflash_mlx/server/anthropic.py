@@ -308,12 +308,20 @@ def add_routes(app: FastAPI, engine: eng.Engine, model_name: str, enable_thinkin
 
     async def _stream(job: eng.Job, reply: MessageReply):
         try:
-            async for name, data in _events(job, reply):
-                yield {"event": name, "data": json.dumps(data)}
-        except APIError as e:
-            yield {"event": "error", "data": json.dumps(error_body(e))}
+            async for event in server_sent_events(job, reply):
+                yield event
         finally:  # also when the client disconnects: the slot is freed at once
             engine.cancel(job)
+
+
+async def server_sent_events(job: eng.Job, reply: MessageReply):
+    """The reply's events as sse-starlette dicts, named; a failure (the server
+    shutting down) is Anthropic's ``error`` event, and the stream ends there."""
+    try:
+        async for name, data in _events(job, reply):
+            yield {"event": name, "data": json.dumps(data)}
+    except APIError as e:
+        yield {"event": "error", "data": json.dumps(error_body(e))}
 
 
 async def _events(job: eng.Job, reply: MessageReply):
