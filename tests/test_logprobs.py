@@ -14,7 +14,9 @@ from dflash_mlx import Target, load_draft, stream_generate
 from dflash_mlx.decoder import SpeculativeDecoder
 
 PROMPT = "the quick brown fox"
-ATOL = 1e-4  # a verify pass computes b positions at once, mlx-lm one at a time
+# a verify pass computes b positions at once (a DDTree or a GatedDeltaNet recurrence in another
+# order), mlx-lm one at a time: up to 3e-4 apart in float32 with OpenBLAS; a wrong row is O(1) off
+ATOL = 1e-3
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
