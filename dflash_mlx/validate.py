@@ -92,6 +92,20 @@ def options(values: dict, flags: Optional[dict] = None) -> None:
         RULES[key](value, (flags or {}).get(key, key))
 
 
+KV_FLAGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
+
+
+def kv_options(bits: Optional[int], group_size: int, start: int) -> Optional[dict]:
+    """The quantized KV cache's ``stream_generate`` arguments from the command
+    line's ``--kv-bits``, ``--kv-group-size`` and ``--quantized-kv-start``
+    (checked), or None without ``--kv-bits``."""
+    if bits is None:
+        return None
+    kv = {"kv_bits": bits, "kv_group_size": group_size, "quantized_kv_start": start}
+    options(kv, KV_FLAGS)
+    return kv
+
+
 def block_option(text: str, name: str = "--block-size") -> Union[int, str]:
     """A command-line block size: ``auto`` or an integer of at least 2."""
     if text.strip() == AUTO:

@@ -29,8 +29,7 @@ from .synthetic import main_synthetic
 
 DTYPES = ("float32", "float16", "bfloat16")
 FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temp", "top_p": "--top-p",
-         "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "draft_vocab": "--draft-vocab",
-         "kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
+         "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "draft_vocab": "--draft-vocab"}
 
 
 def _listed(values: Optional[list[str]], parse: Callable, name: str) -> list:
@@ -87,10 +86,8 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     sizes = parse_block_sizes(block_size)
     budgets = parse_tree_budgets(tree_budget)
     contexts = parse_contexts(context)
-    kv = None
-    if kv_bits is not None:
-        kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
-        validate.options(kv, FLAGS)
+    kv = validate.kv_options(kv_bits, kv_group_size, quantized_kv_start)
+    if kv:
         if calibrate or synthetic or budgets:
             raise DFlashError("--kv-bits applies to a measured run of the chain or --predict, "
                               "not --calibrate, --synthetic or --tree-budget")

@@ -11,10 +11,9 @@ import uvicorn
 
 from ..errors import DFlashError
 from ..registry import Pair, resolve_pair
-from ..validate import block_option, options
+from ..validate import KV_FLAGS, block_option, kv_options, options
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-KV_FLAGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
 
 
 def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache_gb: float,
@@ -49,11 +48,9 @@ def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_t
     ``kv_bits``: every request runs with a quantized KV cache."""
     from ..distributed import session, talks
 
-    kv = None
-    if kv_bits is not None:
-        kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
-        if distributed:
-            raise DFlashError("--kv-bits is not supported with --distributed; leave one out")
+    kv = kv_options(kv_bits, kv_group_size, quantized_kv_start)
+    if kv and distributed:
+        raise DFlashError("--kv-bits is not supported with --distributed; leave one out")
     pair, block = resolve_pair(model, draft), block_option(block_size, "--block-size")
     with session(distributed) as launch:
         if launch is not None and not talks(launch.group):
