@@ -82,6 +82,17 @@ def test_max_tokens_cuts_the_reply(client):
     assert [(b.type, getattr(b, "text", None)) for b in reply.content] == [("thinking", None), ("text", " hello")]
 
 
+def test_sampling_fields_reach_the_sampler(client):
+    """The client no longer has sampling arguments; older clients send them in the body.
+    At temperature 50 the scripted target's next token is nearly uniform over the
+    vocabulary, unless top_k or top_p keep only its best token."""
+    ask = dict(model="any", max_tokens=16, messages=ASK)
+    greedy = client.messages.create(**ask).content
+    for narrow in ({"top_k": 1}, {"top_p": 1e-4}):
+        assert client.messages.create(**ask, extra_body={"temperature": 50} | narrow).content == greedy
+    assert client.messages.create(**ask, extra_body={"temperature": 50}).content != greedy
+
+
 def test_thinking_switches_the_templates_thinking(client):
     on = client.messages.create(model="any", max_tokens=32, messages=ASK,
                                 thinking={"type": "enabled", "budget_tokens": 1024})
@@ -262,6 +273,5 @@ def test_a_bad_request_gets_an_anthropic_error(server, body, status, says):
 
 def test_the_client_raises_on_a_bad_request(client):
     with pytest.raises(anthropic.BadRequestError) as caught:
-        # the client has no sampling arguments of its own any more; older ones send them in the body
         client.messages.create(model="any", max_tokens=8, messages=ASK, extra_body={"top_p": 0})
     assert caught.value.body["error"]["type"] == "invalid_request_error" and "top_p" in caught.value.message
