@@ -1,6 +1,7 @@
 """``dflash-mlx serve``: an OpenAI-compatible HTTP server over one DFlash pair.
 
 ``command`` loads the pair and runs uvicorn; ``app`` holds the routes,
+``anthropic`` Anthropic's Messages API over the same machinery,
 ``schemas`` the request bodies, ``prompts`` turns them into token ids,
 ``engine`` runs requests one at a time on the MLX worker thread, ``stops``
 cuts the text at stop strings, ``parts`` splits a chat reply into answer,
