@@ -267,7 +267,8 @@ def models():
         typer.echo("")
     memory = f"{budget / 1e9:.0f} GB" if budget else "unknown"
     typer.echo(f"Sizes: the target's weights (bf16; mlx-lm 8-/4-bit, group 64), drafts add 1-3 GB. fits: the widest "
-               f"that fits this machine's model memory ({memory}) with 10% spare. mlx-community/<name>-4bit / -8bit "
+               f"that fits this machine's model memory ({memory}) with 10% spare, or 'on N Macs' like it, sharded with "
+               "--distributed (docs/distributed.md). mlx-community/<name>-4bit / -8bit "
                "targets use the draft of <name>. thinking: the chat template's default for the pair "
                "(--thinking / --no-thinking); block: the draft's trained block size.")
 

@@ -79,6 +79,9 @@ UNSUPPORTED_PAIRS: dict[str, Draft] = {
 # Bits per weight: bf16, and mlx-lm's affine 8-/4-bit quantization at group
 # size 64 (a bf16 scale and bias per group add 0.5 bit).
 BITS = {"bf16": 16.0, "8-bit": 8.5, "4-bit": 4.5}
+MAX_MACHINES = 4  # the largest MLX distributed cluster ``fitting`` considers (docs/distributed.md)
+# targets --distributed runs: mlx-lm's class has shard() (tensor) or pipeline() (docs/distributed.md)
+DISTRIBUTED_FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")
 
 
 def weights_gb(params_b: float, bits: float) -> float:
@@ -94,13 +97,18 @@ def memory_budget(info: dict) -> Optional[int]:
     return int(info["memory_size"]) * 3 // 4 if info.get("memory_size") else None
 
 
-def fitting(params_b: float, budget: Optional[int]) -> str:
+def fitting(params_b: float, budget: Optional[int], max_machines: int = MAX_MACHINES) -> str:
     """The widest weights (of ``BITS``) a target fits in ``budget`` bytes with
-    10% to spare for caches and activations: "bf16", "8-bit", "4-bit" or "no"."""
+    10% to spare for caches and activations: "bf16", "8-bit", "4-bit"; else
+    sharded over the fewest machines of that budget, up to ``max_machines``,
+    e.g. "4-bit on 2 Macs" (``--distributed``); else "no"."""
     if budget is None:
         return "?"
-    fits = [name for name, bits in BITS.items() if weights_gb(params_b, bits) * 1e9 * 1.1 <= budget]
-    return fits[0] if fits else "no"
+    for machines in range(1, max_machines + 1):
+        fits = [name for name, bits in BITS.items() if weights_gb(params_b, bits) * 1e9 * 1.1 <= machines * budget]
+        if fits:
+            return fits[0] if machines == 1 else f"{fits[0]} on {machines} Macs"
+    return "no"
 
 
 def listing(budget: Optional[int]) -> tuple[list[list[str]], list[list[str]]]:
@@ -108,7 +116,8 @@ def listing(budget: Optional[int]) -> tuple[list[list[str]], list[list[str]]]:
     ``BITS``, fits) of every runnable pair, and (target, draft, reason) of the others."""
     mode = {None: "template default", True: "thinking", False: "no thinking"}
     pairs = [[target, d.repo, mode[d.enable_thinking], str(d.block_size or "config"),
-              *(f"{weights_gb(d.params_b, bits):.0f}" for bits in BITS.values()), fitting(d.params_b, budget)]
+              *(f"{weights_gb(d.params_b, bits):.0f}" for bits in BITS.values()),
+              fitting(d.params_b, budget, MAX_MACHINES if d.model_type in DISTRIBUTED_FAMILIES else 1)]
              for target, d in KNOWN_PAIRS.items()]
     return pairs, [[target, d.repo, d.unsupported] for target, d in UNSUPPORTED_PAIRS.items()]
 

@@ -1,13 +1,15 @@
 """The registry: every published draft's target family is one dflash-mlx runs or
 is listed with the reason it cannot; sizes and fit; ``dflash-mlx models``."""
 
+import importlib
+
 import pytest
 from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError
 from dflash_mlx.cli import app
-from dflash_mlx.registry import (KNOWN_PAIRS, UNSUPPORTED_PAIRS, find_draft, fitting, memory_budget,
-                                 resolve_pair, weights_gb)
+from dflash_mlx.registry import (DISTRIBUTED_FAMILIES, KNOWN_PAIRS, UNSUPPORTED_PAIRS, find_draft, fitting,
+                                 listing, memory_budget, resolve_pair, weights_gb)
 from dflash_mlx.target import SUPPORTED_MODEL_TYPES
 
 
@@ -43,11 +45,26 @@ def test_sizes_and_fit_follow_the_bits_per_weight():
     gb = 10**9
     assert fitting(27, 50 * gb) == "8-bit"  # 28.7 GB * 1.1 fits, 54 GB * 1.1 does not
     assert fitting(27, 17 * gb) == "4-bit"
-    assert fitting(27, 16 * gb) == "no"
+    assert fitting(27, 16 * gb) == "8-bit on 2 Macs"  # sharded: 31.6 GB over two of 16 GB
+    assert fitting(397, 192 * gb) == "4-bit on 2 Macs"  # 245.6 GB with 10% spare: two 192 GB Macs
+    assert fitting(397, 512 * gb) == "8-bit"  # one 512 GB M3 Ultra holds 8 bits (464 GB)
+    assert fitting(397, 32 * gb) == "no"  # not even 4 Macs of 32 GB
+    assert fitting(27, 16 * gb, max_machines=1) == "no"  # a family that cannot be sharded
     assert fitting(27, None) == "?"
     assert memory_budget({"memory_size": 64 * gb, "max_recommended_working_set_size": 50 * gb}) == 50 * gb
     assert memory_budget({"memory_size": 64 * gb}) == 48 * gb
     assert memory_budget({}) is None
+
+
+def test_distributed_families_are_those_mlx_lm_can_shard():
+    for family in DISTRIBUTED_FAMILIES:
+        module = importlib.import_module(f"mlx_lm.models.{family}")
+        assert hasattr(module.Model, "shard") or any(hasattr(c, "pipeline") for c in vars(module).values())
+    assert not hasattr(importlib.import_module("mlx_lm.models.gemma4").Model, "shard")
+    pairs, _ = listing(16 * 10**9)
+    fits = {row[0]: row[-1] for row in pairs}
+    assert fits["Qwen/Qwen3.5-35B-A3B"] == "4-bit on 2 Macs"
+    assert fits["google/gemma-4-31B-it"] == "no"  # gemma4: neither shard() nor pipeline() in mlx-lm
 
 
 def test_models_shows_sizes_fit_and_the_targets_that_cannot_run():
