@@ -147,9 +147,9 @@ class SampleMatchSampler(BlockSampler):
 
 
 def sample(model, params, make_sampler=BlockSampler, proposer=HalfMassProposer, runs=RUNS,
-           positions=POSITIONS):
+           positions=POSITIONS, make_target=Target):
     """(tokens [runs, positions], accepted per cycle) from the real loop."""
-    target, memo = Target(model), {}
+    target, memo = make_target(model), {}
     tokens, accepted = [], []
     for seed in range(runs):
         sampler = make_sampler(replace(params, seed=seed))
