@@ -171,3 +171,23 @@ def test_the_server_engine_runs_every_request_with_its_kv_options(pairs, tmp_pat
                         (["--kv-bits", "4", "--distributed", "tensor"], "not supported with --distributed")]:
         res = runner.invoke(app, ["serve", "--port", "0", *args])
         assert res.exit_code == 1 and words in res.output, (args, res.output)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_sampling_draws_from_mlx_lms_distributions_with_the_same_kv_quantization(pairs, family):
+    """At temperature > 0 every token is drawn (by the lossless rule the
+    sampling tests check) from the target's distribution at its position:
+    under kv_bits, mlx-lm's own with the same KV quantization."""
+    model, tokenizer, draft = pairs[family]
+    kv = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=14)
+    tokens, rows = [], []
+    for r in stream_generate(model, draft, tokenizer, PROMPT, max_tokens=TOKENS, block_size=4, temperature=0.8,
+                             seed=3, logprobs=True, **kv):
+        tokens += r.tokens
+        rows += [r.logprobs[i] for i in range(len(r.tokens))]
+    forced = iter(tokens + [0])
+    want = [lp for _, lp in generate_step(mx.array(PROMPT), model, max_tokens=len(tokens),
+                                          sampler=lambda _: mx.array([next(forced)]), **kv)]
+    assert len(want) == len(rows) == TOKENS
+    for i, (got, ref) in enumerate(zip(rows, want)):
+        assert mx.allclose(got, ref, atol=1e-4).item(), f"token {i}"
