@@ -25,6 +25,7 @@ from .prompts import chat_ids, unicode_text
 from .schemas import Body, ChatRequest
 
 ROUTE = "/v1/messages"
+DFLASH_USAGE = ("cycles", "tokens_per_cycle", "block_sizes", "decoding")  # how DFlash served it, as on the chat route
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                503: "overloaded_error", 529: "overloaded_error"}
@@ -223,9 +224,10 @@ class MessageReply:
         else:
             reason = "tool_use" if self.splitter.calls else "end_turn"
         usage = done.usage
+        served = usage.to_dict()
         self.message["usage"] = {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
                                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens,
-                                 "output_tokens": usage.completion_tokens}
+                                 "output_tokens": usage.completion_tokens} | {k: served[k] for k in DFLASH_USAGE}
         self.message.update(stop_reason=reason, stop_sequence=done.stop_sequence)
         delta = {"stop_reason": reason, "stop_sequence": done.stop_sequence}
         return events + [("message_delta", {"type": "message_delta", "delta": delta, "usage": self.message["usage"]}),
