@@ -93,11 +93,12 @@ class BlockSampler:
         drafts (None when greedy)."""
         return None if self.greedy else self._next_key()
 
-    def process(self, logits: mx.array, history: mx.array) -> mx.array:
+    def process(self, logits: mx.array, history: mx.array, drafted: Optional[int] = None) -> mx.array:
         """Apply the logits processors to rows [n, V], where row i follows
         ``history[: len(history) - n + 1 + i]``, just as decoding one token at a
         time would have seen it. A constraint masks the rows last: the
-        history's last n-1 tokens are a block's drafts, not yet committed."""
+        history's last ``drafted`` tokens (default n-1, a chain's block) are
+        drafts, not yet committed."""
         n = logits.shape[0]
         if self.processors:
             rows = []
@@ -109,7 +110,8 @@ class BlockSampler:
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
         if self.constraint is not None:
-            logits = self.constraint.restrict(logits, history[history.size - n + 1 :].tolist())
+            drafted = n - 1 if drafted is None else drafted
+            logits = self.constraint.restrict(logits, history[history.size - drafted :].tolist())
         return logits
 
     def commit(self, tokens: mx.array) -> None:

@@ -143,11 +143,12 @@ class Constraint:
 
     def restrict(self, logits: mx.array, drafted: list[int]) -> mx.array:
         """Rows [n, V], row i masked (-inf outside the grammar) to the tokens
-        allowed after ``drafted[:i]``. Rows past the first draft the grammar
+        allowed after ``drafted[: len(drafted) - n + 1 + i]`` (a chain's block:
+        the drafts before row i's). Rows past the first draft the grammar
         rejects stay as they are: no accepted token can follow that draft."""
-        rows = []
-        for i in range(logits.shape[0]):
-            mask = self.allowed(drafted[:i])
+        rows, n = [], logits.shape[0]
+        for i in range(n):
+            mask = self.allowed(drafted[: len(drafted) - n + 1 + i])
             if mask is None:
                 rows.append(logits[i:])
                 break

@@ -193,11 +193,22 @@ def test_a_bad_format_is_one_error_line_naming_it(llama, response_format, named)
     assert message.startswith("response_format: ") and named in message and "\n" not in message
 
 
-def test_tree_with_a_grammar_is_refused(llama):
+def test_a_tree_under_a_grammar_is_the_constrained_targets_output(llama):
+    """DDTree: each node's row masked after its own path; through the API,
+    and with oracle trees whose walk accepts 3 and 2 drafts a cycle."""
+    from test_tree_loop import oracle_cycles
+
     model, tokenizer, draft = llama
-    with pytest.raises(DFlashError, match="tree_budget"):
-        generate(model, draft, tokenizer, PROMPT, max_tokens=4, tree_budget=4,
-                 response_format=FORMATS["json_object"])
+    ids = tokenizer.encode(PROMPT)
+    response_format = FORMATS["json_schema"]
+    want, _ = constrained_reference(model, tokenizer, ids, response_format, 40)
+    res = generate(model, draft, tokenizer, PROMPT, max_tokens=40, block_size=4, tree_budget=8,
+                   response_format=response_format)
+    assert res.tokens == want
+    for stop, second in [(3, {1}), (2, set())]:
+        sampler = BlockSampler(SamplingParams(), constraint_for(response_format, tokenizer, model.args.vocab_size))
+        for _ in oracle_cycles(Target(model), ids, want, stop, second, block=5, budget=16, cycles=4, sampler=sampler):
+            pass
 
 
 # ---------------------------------------------------------------- T > 0

@@ -123,14 +123,15 @@ class TreeDecoder(SpeculativeDecoder):
         mx.async_eval(self.candidates, self.draft_finite)
 
     def _process(self, logits: mx.array, tree: Tree) -> mx.array:
-        """Logits processors per node, each seeing the committed tokens then its path."""
-        if not self.sampler.processors:
+        """Logits processors (and a constraint's mask) per node, each seeing the
+        committed tokens then its path, whose nodes below the root are drafts."""
+        if not self.sampler.processors and self.sampler.constraint is None:
             return logits
         recent = self.recent
-        rows = [
-            self.sampler.process(logits[i : i + 1], mx.array(recent + [tree.tokens[j] for j in tree.path(i)], dtype=mx.int32))
-            for i in range(len(tree))
-        ]
+        rows = []
+        for i in range(len(tree)):
+            path = [tree.tokens[j] for j in tree.path(i)]
+            rows.append(self.sampler.process(logits[i : i + 1], mx.array(recent + path, dtype=mx.int32), len(path) - 1))
         return mx.concatenate(rows, axis=0)
 
     def _choose(self, logits: mx.array, tree: Tree) -> list[int]:
@@ -157,5 +158,6 @@ class TreeDecoder(SpeculativeDecoder):
         self.tokens.extend(committed)
         self._remember(committed)
         self.pending = mx.array([bonus], dtype=mx.int32)
+        self.sampler.commit(mx.array(committed[1:] + [bonus], dtype=mx.int32))
         self._queue_draft()
         return Cycle(committed[1:] + [bonus], len(path) - 1)
