@@ -453,6 +453,7 @@ def serve(
     block_size: str = typer.Option("auto", "--block-size", "-b", help="Tokens per draft block: auto (chosen each cycle from measured costs and acceptance) or 2 to twice the draft's trained size."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Draft over the N most frequent ids (the ranking beside the draft; see `dflash-mlx draft-vocab`)."),
     distributed: Optional[str] = typer.Option(None, "--distributed", help="tensor or pipeline: shard the target over the processes mlx.launch started (docs/distributed.md); rank 0 serves HTTP, the others follow."),
+    draft_dtype: str = typer.Option("auto", "--draft-dtype", help=DRAFT_DTYPE_HELP + " /health names the dtype chosen."),
     kv_bits: Optional[int] = KV_BITS,
     kv_group_size: int = KV_GROUP_SIZE,
     quantized_kv_start: int = QUANTIZED_KV_START,

@@ -114,6 +114,29 @@ def test_bench_refuses_a_bad_draft_dtype_in_one_line(args, wanted):
     one_error_line(cli("bench", *args), wanted)
 
 
+@pytest.mark.parametrize("draft_dtype, shown", [("auto", "float32"), ("float16", "float16")])
+def test_serve_loads_the_draft_in_draft_dtype_and_health_names_it(target_dirs, draft_dir, draft_dtype, shown):
+    from fastapi.testclient import TestClient
+
+    from dflash_mlx.server.app import Settings, create_app
+    from dflash_mlx.server.engine import Engine
+
+    engine = Engine(str(target_dirs["llama"]), str(draft_dir("llama", block_size=4)), block_size=4,
+                    draft_dtype=draft_dtype)  # the tiny draft is stored in float32
+    engine.start()
+    try:
+        health = TestClient(create_app(engine, Settings("t", 64, None, None))).get("/health").json()
+    finally:
+        engine.stop()
+    assert health["pair"]["draft_dtype"] == shown
+
+
+def test_serve_refuses_a_bad_draft_dtype_before_loading():
+    result = CliRunner().invoke(app, ["serve", "--draft-dtype", "half", "--host", "::zz"])
+    assert result.exit_code == 1
+    assert "--draft-dtype must be one of" in result.output and result.output.count("\n") == 1
+
+
 def test_doctor_says_which_dtype_drafts_compute_in():
     result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 0

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 
 from .. import structured, validate
 from ..errors import DFlashError
+from ..precision import dtype_name
 from ..sampling import SamplingParams
 from . import anthropic
 from . import engine as eng
@@ -138,7 +139,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
     app = FastAPI(title="dflash-mlx", docs_url=None, redoc_url=None, openapi_url=None)
     version = metadata.version("dflash-mlx")
     pair = {"target": engine.model_id, "draft": engine.draft_id, "block_size": engine.block_size,
-            "draft_vocab": engine.draft_vocab, "dflash_mlx": version}
+            "draft_vocab": engine.draft_vocab, "draft_dtype": dtype_name(engine.draft), "dflash_mlx": version}
     fingerprint = f"dflash-mlx-{version} target={engine.model_id} draft={engine.draft_id}"
     # one at a time: a tokenizer is not meant to encode on two threads at once
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="dflash-mlx-tokenize")

@@ -10,6 +10,7 @@ from typing import Callable, Optional, Union
 import uvicorn
 
 from ..errors import DFlashError
+from ..precision import choose_draft_dtype
 from ..registry import Pair, resolve_pair
 from ..validate import KV_FLAGS, block_option, kv_options, options
 
@@ -18,7 +19,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache_gb: float,
                   block_size: Union[int, str, None], draft_vocab: Optional[int] = None,
-                  api_key: Optional[str] = None, kv: Optional[dict] = None) -> None:
+                  api_key: Optional[str] = None, kv: Optional[dict] = None, draft_dtype: str = "auto") -> None:
     """Raise a one-line DFlashError for an option out of range (``kv``: the
     quantized KV cache's stream_generate arguments)."""
     if not 0 <= port <= 65535:
@@ -36,16 +37,17 @@ def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache
         block_option(str(block_size), "--block-size")
     options({"draft_vocab": draft_vocab}, {"draft_vocab": "--draft-vocab"})
     options(kv or {}, KV_FLAGS)
+    choose_draft_dtype({}, draft_dtype)
 
 
 def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_tokens_limit: int,
          api_key: Optional[str], max_queue: int, prefix_cache_gb: float, block_size: str,
          draft_vocab: Optional[int] = None, distributed: Optional[str] = None, kv_bits: Optional[int] = None,
-         kv_group_size: int = 64, quantized_kv_start: int = 5000) -> None:
+         kv_group_size: int = 64, quantized_kv_start: int = 5000, draft_dtype: str = "auto") -> None:
     """``dflash-mlx serve``: resolve the pair (the demo pair without --model)
     and serve it; progress goes to stderr. ``distributed``: the target is
     sharded over the ranks mlx.launch started; rank 0 serves, the others follow.
-    ``kv_bits``: every request runs with a quantized KV cache."""
+    ``kv_bits``: every request runs with a quantized KV cache; ``draft_dtype``: ``--draft-dtype``."""
     from ..distributed import session, talks
 
     kv = kv_options(kv_bits, kv_group_size, quantized_kv_start)
@@ -54,22 +56,25 @@ def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_t
     pair, block = resolve_pair(model, draft), block_option(block_size, "--block-size")
     with session(distributed) as launch:
         if launch is not None and not talks(launch.group):
-            check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block, draft_vocab, api_key)
-            make_engine(pair, block, max_queue, prefix_cache_gb, draft_vocab, launch).follow()
+            check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block, draft_vocab, api_key,
+                          draft_dtype=draft_dtype)
+            make_engine(pair, block, max_queue, prefix_cache_gb, draft_vocab, launch, draft_dtype=draft_dtype).follow()
             return
         serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb, block, draft_vocab, launch,
-              kv)
+              kv, draft_dtype)
 
 
 def make_engine(pair: Pair, block_size: Union[int, str, None], max_queue: int, prefix_cache_gb: float,
-                draft_vocab: Optional[int], launch=None, kv: Optional[dict] = None):
+                draft_vocab: Optional[int], launch=None, kv: Optional[dict] = None, draft_dtype: str = "auto"):
     """The engine of ``pair``; on a rank of ``launch`` (``distributed.Launch``), the group's;
     ``kv``: the quantized KV cache's stream_generate arguments (not distributed)."""
     from .distributed import GroupEngine
     from .engine import Engine
 
     args = (pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9), draft_vocab)
-    return Engine(*args, kv=kv) if launch is None else GroupEngine(launch, *args)
+    if launch is None:
+        return Engine(*args, kv=kv, draft_dtype=draft_dtype)
+    return GroupEngine(launch, *args, draft_dtype=draft_dtype)
 
 
 def _log(message: str) -> None:
@@ -114,23 +119,24 @@ class Server(uvicorn.Server):
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limit: int = 4096,
           api_key: Optional[str] = None, max_queue: int = 32, prefix_cache_gb: float = 2.0,
           block_size: Union[int, str, None] = "auto", draft_vocab: Optional[int] = None, launch=None,
-          kv: Optional[dict] = None) -> None:
+          kv: Optional[dict] = None, draft_dtype: str = "auto") -> None:
     """Check the options and the address, load ``pair`` on the worker thread,
     then serve it until SIGINT or SIGTERM (DFlashError for a bad option, an
     address it cannot listen on or a bad pair). On the signal it stops
     accepting, ends every request still in flight with a 503 error and returns.
     ``launch``: rank 0 of a distributed launch, whose other ranks follow;
-    ``kv``: every request quantizes its KV cache with these stream_generate arguments."""
+    ``kv``: every request quantizes its KV cache with these stream_generate arguments;
+    ``draft_dtype``: what the draft computes in (``--draft-dtype``)."""
     from .app import Settings, create_app
 
-    check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size, draft_vocab, api_key, kv)
+    check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size, draft_vocab, api_key, kv, draft_dtype)
     sock = bind(host, port)
     try:
         if pair.demo:
             _log("no --model given: serving the bundled demo pair (offline); pass --model for a real model")
         if host not in LOOPBACK and api_key is None:
             _log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
-        engine = make_engine(pair, block_size, max_queue, prefix_cache_gb, draft_vocab, launch, kv)
+        engine = make_engine(pair, block_size, max_queue, prefix_cache_gb, draft_vocab, launch, kv, draft_dtype)
         _log(f"loading {pair.target} with draft {pair.draft}")
         engine.start()
         name = "dflash-mlx-demo" if pair.demo else pair.target

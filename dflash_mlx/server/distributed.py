@@ -83,8 +83,9 @@ class GroupEngine(Engine):
     (``start``), the others ``follow``."""
 
     def __init__(self, launch: Launch, model: str, draft: str, block_size: Union[int, str, None] = "auto",
-                 max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None):
-        super().__init__(model, draft, block_size, max_queue, prefix_cache_bytes, draft_vocab)
+                 max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None,
+                 draft_dtype: str = "auto"):
+        super().__init__(model, draft, block_size, max_queue, prefix_cache_bytes, draft_vocab, draft_dtype=draft_dtype)
         self.launch = launch
         self.group = launch.group
         self.lost: Optional[str] = None  # why the group broke, once it has

@@ -127,8 +127,9 @@ class Engine:
 
     def __init__(self, model: str, draft: str, block_size: Union[int, str, None] = "auto",
                  max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None,
-                 kv: Optional[dict] = None):
+                 kv: Optional[dict] = None, draft_dtype: str = "auto"):
         self.model_id, self.draft_id = model, draft
+        self.draft_dtype = draft_dtype  # --draft-dtype: what the draft computes in
         self.kv = kv or {}  # every request's quantized KV cache: stream_generate's kv_bits, ...
         self.block_size = block_size
         self.draft_vocab = draft_vocab  # every request drafts over this many top-ranked ids
@@ -209,7 +210,7 @@ class Engine:
 
     def _load(self) -> None:
         self.target, self.tokenizer = self._load_target()
-        self.draft = load_draft(self.draft_id)
+        self.draft = load_draft(self.draft_id, dtype=self.draft_dtype)
         check_pair(self.target, self.draft)
         self.vocab_size = self.target.vocab_size
         self.context_length = getattr(self.target.args, "max_position_embeddings", None)
