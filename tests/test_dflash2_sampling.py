@@ -16,22 +16,13 @@ from dflash_mlx import Target, load_draft
 from dflash_mlx.decoder import DFlash2Proposer
 from dflash_mlx.draft.selector import scatter
 from dflash_mlx.sampling import SamplingParams
-from test_sampling import BLOCK, V, build_target, exact_joint, pvalues, sample
+from test_sampling import BLOCK, V, build_target, exact_joint, model, pvalues, sample  # noqa: F401 (model: the fixture)
 
 # the target's p warped by top-k too (q never is): drafts outside p's support are always rejected
 PARAMS = SamplingParams(temperature=1.0, top_k=4)
 ALPHA = 1e-3 / 4  # Bonferroni over the four chi-square tests
 RUNS = 400
 STEER = 2.0  # weight of the target logits added to the draft's
-
-
-@pytest.fixture(scope="module")
-def model():
-    """test_sampling's tiny hybrid target (V = 16, spread distributions)."""
-    model, _ = build_target("qwen3_5", vocab_size=V, seed=3, num_hidden_layers=2)
-    inner = model.language_model.model
-    inner.norm.weight = inner.norm.weight * 0.15
-    return model
 
 
 @pytest.fixture(scope="module")

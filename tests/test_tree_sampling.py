@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import test_sampling as chain
-from checkpoints import build_target
+from test_sampling import model  # noqa: F401 (the fixture: a tiny hybrid with 16 ids, spread distributions)
 
 from dflash_mlx import Target
 from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
@@ -22,16 +22,6 @@ CONFIGS = {
     "t0.7-topk4": SamplingParams(temperature=0.7, top_k=4),
 }
 ALPHA = 1e-3 / (4 * len(CONFIGS))  # Bonferroni over the suite's chi-square tests
-
-
-@pytest.fixture(scope="module")
-def model():
-    """The chain's sampling fixture: a tiny hybrid with a 16-token vocabulary
-    and spread next-token distributions."""
-    model, _ = build_target("qwen3_5", vocab_size=chain.V, seed=3, num_hidden_layers=2)
-    inner = model.language_model.model
-    inner.norm.weight = inner.norm.weight * 0.15
-    return model
 
 
 class DraftQTreeDecoder(TreeDecoder):
