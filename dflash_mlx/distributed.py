@@ -165,10 +165,14 @@ def shared_cost_curve(target: Target, draft: DFlashDraft, group: mx.distributed.
         sizes = tuple(key["sizes"])
     else:
         sizes = curve.sizes
-    n = len(sizes)
-    mine = [*curve.target_s, *curve.draft_s] if curve is not None else [0.0] * (2 * n)
+    n = len(sizes)  # sent: target_s, draft_s, both context slopes (zeros for none), inject_s, context
+    mine = [0.0] * (4 * n + 2)
+    if curve is not None:
+        mine = [*curve.target_s, *curve.draft_s, *(curve.target_slope or [0.0] * n),
+                *(curve.draft_slope or [0.0] * n), curve.inject_s, curve.context]
     values = broadcast(mx.array(mine, dtype=mx.float32), group).tolist()
-    return costs.CostCurve(sizes, tuple(values[:n]), tuple(values[n:]))
+    column = lambda i: tuple(values[i * n : (i + 1) * n])  # noqa: E731
+    return costs.CostCurve(sizes, column(0), column(1), int(values[-1]), column(2), column(3), values[-2])
 
 
 class Watchdog:

@@ -240,3 +240,11 @@ def test_forget_removes_the_cached_curve(pair, tmp_path, counted):
     cc.forget(target, draft, tmp_path)
     cc.cost_curve(target, draft, tmp_path)
     assert len(counted) == 2
+
+
+def test_every_rank_gets_the_whole_curve():
+    """Rank 0's curve crosses the group whole: its context slopes and injection price too."""
+    from dflash_mlx.distributed import shared_cost_curve
+
+    curve = CostCurve((1, 2, 4), (1.0, 2.0, 4.0), (0.0, 1.0, 3.0), 100, (0.25, 0.5, 0.75), (0.0, 0.125, 0.125), 0.5)
+    assert shared_cost_curve(None, None, mx.distributed.init(), curve) == curve  # values exact in float32
