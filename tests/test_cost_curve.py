@@ -151,8 +151,8 @@ def test_bench_calibrate_prints_the_curve_and_caches_it(target_dirs, draft_dir, 
     assert curve == SYNTHETIC
     rows = [line.split("│")[1:-1] for line in out.export_text().splitlines() if line.startswith("│")]
     assert [[c.strip() for c in r] for r in rows] == [
-        ["1", "1000.00", "-", "1000.00", "1.00"], ["2", "2000.00", "1000.00", "3000.00", "3.00"],
-        ["4", "4000.00", "3000.00", "7000.00", "7.00"], ["8", "6000.00", "5000.00", "11000.00", "11.00"]]
+        ["1", "1000.00", "-", "1000.00", "1.00", "0.00"], ["2", "2000.00", "1000.00", "3000.00", "3.00", "0.00"],
+        ["4", "4000.00", "3000.00", "7000.00", "7.00", "0.00"], ["8", "6000.00", "5000.00", "11000.00", "11.00", "0.00"]]
     assert len(list((tmp_path / "cost-curves").glob("*.json"))) == 1
     said = err.export_text()
     assert "cached in" in said and "measured in" in said and "held after" in said
@@ -172,6 +172,16 @@ def test_the_curve_grows_with_the_context_by_its_slopes():
     assert CONTEXTUAL.target(2, 50) == CONTEXTUAL.target(2) == 2.0  # never below the measured context
     assert CONTEXTUAL.cycle_seconds(1, 300) == pytest.approx(1.0 + 2.0 + 0.5)  # a plain step and its injection
     assert CONTEXTUAL.cycle_seconds(2, 300) == pytest.approx(6.0 + 21.0)
+    from rich.console import Console
+
+    from dflash_mlx.bench.calibrate import print_curve
+
+    out = Console(record=True, width=200)
+    print_curve(CONTEXTUAL, out, "t")
+    text = out.export_text()
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if "│" in line]
+    assert rows[0] == ["1", "1000.00", "-", "1500.00", "1.00", "10000.00"]  # 0.01 s per token: 10 s per 1k
+    assert "at 100 tokens of context" in text
     assert CostCurve.from_dict(json.loads(json.dumps(CONTEXTUAL.to_dict()))) == CONTEXTUAL
     assert SYNTHETIC.target(2, 10**6) == SYNTHETIC.target(2)  # no slopes: context-blind
     with pytest.raises(ValueError):

@@ -13,17 +13,21 @@ from .render import console
 
 
 def print_curve(curve: CostCurve, out, title: str) -> None:
-    """One row per measured block size: target and draft pass, the cycle, and
-    the tau a cycle needs to beat a plain target step (cycle / t_target(1))."""
+    """One row per measured block size at the curve's context: target and draft
+    pass, the cycle (a plain step's with the injection of its position), the
+    tau a cycle needs to beat a plain step (cycle / cycle(1)), and how much the
+    cycle grows per 1,000 more tokens of context."""
     from rich.table import Table
 
-    t = Table(title=title)
-    for col in ("block", "target ms", "draft ms", "cycle ms", "break-even tau"):
+    t = Table(title=title, caption=f"at {curve.context} tokens of context")
+    for col in ("block", "target ms", "draft ms", "cycle ms", "break-even tau", "+ms per 1k context"):
         t.add_column(col, justify="right")
     step = curve.cycle_seconds(1)
+    far = curve.context + 1000
     for b in curve.sizes:
         t.add_row(str(b), f"{curve.target(b) * 1e3:.2f}", "-" if b == 1 else f"{curve.draft(b) * 1e3:.2f}",
-                  f"{curve.cycle_seconds(b) * 1e3:.2f}", f"{curve.cycle_seconds(b) / step:.2f}")
+                  f"{curve.cycle_seconds(b) * 1e3:.2f}", f"{curve.cycle_seconds(b) / step:.2f}",
+                  f"{(curve.cycle_seconds(b, far) - curve.cycle_seconds(b)) * 1e3:.2f}")
     out.print(t)
 
 
