@@ -34,6 +34,7 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
 MAX_TOKENS = 24
 EOS = 2  # the tiny checkpoints' eos_token_id
 LAUNCH_TIMEOUT_S = 120
+SEEDED = {"block_size": 4, "temperature": 1.0, "seed": 7, "logit_bias": {EOS: -1e9}}
 
 
 def free_ports(n: int) -> int:
@@ -119,6 +120,7 @@ def launched(pairs, tmp_path_factory):
                     {"name": f"{family}-greedy", **common, "options": {"block_size": 4}},
                     {"name": f"{family}-sampled", **common,  # no seed: rank 0 draws it; EOS barred: full length
                      "options": {"block_size": 4, "temperature": 1.0, "logit_bias": {EOS: -1e9}}},
+                    {"name": f"{family}-seeded", **common, "options": SEEDED},
                 ]
                 if family == ADAPTIVE_FAMILY:
                     runs += [
@@ -162,6 +164,21 @@ def test_sampled_identical_across_ranks(launched, mode, family):
     assert len(a) == MAX_TOKENS
     assert a == b
     assert a != ranks[0][f"{family}-greedy"]["tokens"]  # it did sample: no seed was given, rank 0 drew one
+
+
+@pytest.mark.parametrize("mode,family", CASES)
+def test_sampled_with_a_seed_draws_as_one_process_does(launched, pairs, mode, family):
+    """The same acceptance rule on the same logits with the same uniforms: a seeded
+    sampled run on the sharded target gives the single-process run's tokens, so the
+    single-process distribution tests (tests/test_sampling.py) hold for it too."""
+    target, draft = pairs[family]
+    model, tokenizer = load(target)
+    ranks = launched(mode)
+    single = generate(model, load_draft(draft), tokenizer, ranks[0][f"{family}-seeded"]["prompt"],
+                      max_tokens=MAX_TOKENS, **SEEDED)
+    assert single.tokens != ranks[0][f"{family}-greedy"]["tokens"]  # it sampled
+    for rank in ranks:
+        assert rank[f"{family}-seeded"]["tokens"] == single.tokens
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
