@@ -335,10 +335,19 @@ def cost_curve(target: Target, draft: DFlashDraft, directory: Optional[os.PathLi
     return curve
 
 
+_forgotten: set = set()  # cache files this process removed after drift
+
+
 def forget(target: Target, draft: DFlashDraft, directory: Optional[os.PathLike] = None) -> None:
-    """Remove the pair's cached curve, so its next use measures it again."""
+    """Remove the pair's cached curve, so its next use measures it again; once
+    per process and curve, so a machine whose load keeps changing does not
+    measure again before every generation (the watch still rescales each run)."""
+    path = cache_path(cache_key(target, draft), directory)
+    if path in _forgotten:
+        return
+    _forgotten.add(path)
     try:
-        cache_path(cache_key(target, draft), directory).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
     except OSError:
         pass
 

@@ -244,10 +244,13 @@ def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
     assert policy.choose() == 2  # ... and does once plain steps cost twice as much
 
 
-def test_forget_removes_the_cached_curve(pair, tmp_path, counted):
+def test_forget_removes_the_cached_curve_once_per_process(pair, tmp_path, counted):
     target, draft = pair
     cc.cost_curve(target, draft, tmp_path)
     cc.forget(target, draft, tmp_path)
+    cc.cost_curve(target, draft, tmp_path)
+    assert len(counted) == 2
+    cc.forget(target, draft, tmp_path)  # drifted again: this run's watch rescales, the curve stays
     cc.cost_curve(target, draft, tmp_path)
     assert len(counted) == 2
 
