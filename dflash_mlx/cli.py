@@ -36,20 +36,15 @@ GENERATE_FLAGS = {
     "max_tokens": "--max-tokens", "prefill_step_size": "--prefill-step-size", "temperature": "--temp",
     "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed",
     "repetition_penalty": "--repetition-penalty", "draft_vocab": "--draft-vocab",
-    "kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start",
 }
 MAX_TOKENS = 256  # generate's default
 DEMO_MAX_TOKENS = 128  # the demo pair's: a tiny model's text is worth reading only so far
 DEMO_STOPS = ("\n\n\n", "\n\ndef ", "\n\nclass ", "\n\n@", "\n\nif ")  # its first top-level block ends
 DRAFT_DTYPE_HELP = ("Dtype the draft computes in: auto (float32 on M1/M2, which emulate bfloat16; else the "
                     "checkpoint's), keep, float32, bfloat16 or float16. `dflash-mlx doctor` shows the choice.")
-# a quantized KV cache (dflash_mlx/kv_quantization.py): the same options on generate, bench and serve
-KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's attention KV cache to 4 or 8 bits (also 2, 3, "
-                       "5, 6) once it holds --quantized-kv-start tokens, as mlx-lm's --kv-bits does: the output "
-                       "equals mlx-lm's with the same KV options. Default: full precision.")
+KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's attention KV cache to 4 or 8 bits (also 2, 3, 5, 6) once it holds --quantized-kv-start tokens, as mlx-lm's --kv-bits does: the output equals mlx-lm's with the same KV options. Default: full precision.")
 KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", help="--kv-bits: elements per quantization group (32, 64 or 128).")
-QUANTIZED_KV_START = typer.Option(5000, "--quantized-kv-start",
-                                  help="--kv-bits: tokens of context before the cache is quantized (mlx-lm's default).")
+QUANTIZED_KV_START = typer.Option(5000, "--quantized-kv-start", help="--kv-bits: tokens of context before the cache is quantized (mlx-lm's default).")
 THINKING_HELP = ("Pass enable_thinking=True/False to the chat template. Default: the registry's "
                  "choice for the pair (what its draft was trained on), else the template's own.")
 
@@ -157,9 +152,7 @@ def generate(
                                     "(docs/distributed.md); only rank 0 prints.",
     ),
     draft_dtype: str = typer.Option("auto", "--draft-dtype", help=DRAFT_DTYPE_HELP),
-    kv_bits: Optional[int] = KV_BITS,
-    kv_group_size: int = KV_GROUP_SIZE,
-    quantized_kv_start: int = QUANTIZED_KV_START,
+    kv_bits: Optional[int] = KV_BITS, kv_group_size: int = KV_GROUP_SIZE, quantized_kv_start: int = QUANTIZED_KV_START,
 ):
     """Generate text with DFlash; text to stdout, speed and acceptance to stderr."""
     demo = model is None  # the bundled pair (without --draft; resolve_pair below checks that)
@@ -168,16 +161,15 @@ def generate(
     if stop is None:
         stop = list(DEMO_STOPS) if demo else []
     options = dict(max_tokens=max_tokens, prefill_step_size=prefill_step_size, temperature=temp,
-                   top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                   repetition_penalty=repetition_penalty, draft_vocab=draft_vocab, kv_bits=kv_bits,
-                   kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+                   top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, repetition_penalty=repetition_penalty,
+                   draft_vocab=draft_vocab, kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     try:
         from . import validate
         from .draft import DraftConfig
         from .precision import choose_draft_dtype
         from .registry import read_config, resolve_pair
 
-        validate.options(options, GENERATE_FLAGS)
+        validate.options(options, {**GENERATE_FLAGS, **validate.KV_FLAGS})
         choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
         tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
         if tree_budget and kv_bits is not None:
@@ -427,9 +419,7 @@ def bench(
     overhead_ms: float = typer.Option(0.0, "--overhead-ms", help="--predict: fixed cost added to every forward pass."),
     synthetic: bool = typer.Option(False, "--synthetic", help="No model: a random ~200M-parameter target built in memory, decoded with oracle drafts right for all, half or none of each block; prints the loop's efficiency (measured over ideal speedup)."),
     calibrate: bool = typer.Option(False, "--calibrate", help="No run: measure the pair's cost per cycle at each block size on this machine (what --block-size auto uses), cache and print it."),
-    kv_bits: Optional[int] = KV_BITS,
-    kv_group_size: int = KV_GROUP_SIZE,
-    quantized_kv_start: int = QUANTIZED_KV_START,
+    kv_bits: Optional[int] = KV_BITS, kv_group_size: int = KV_GROUP_SIZE, quantized_kv_start: int = QUANTIZED_KV_START,
     distributed: Optional[str] = typer.Option(None, "--distributed", help="tensor or pipeline: a measured run on a target sharded over the processes mlx.launch started (only rank 0 prints and writes); with --predict --machines, price only this sharding (default: both). docs/distributed.md."),
     machines: int = typer.Option(1, "--machines", help="--predict: price the target sharded over this many Macs of each --chip, linked by --link."),
     link: str = typer.Option("tb5", "--link", help="--predict --machines: tb5 (Thunderbolt 5 RDMA, JACCL backend), tb5-ring or tb4-ring (TCP, ring backend); figures and sources in docs/distributed.md."),
@@ -454,9 +444,7 @@ def serve(
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Draft over the N most frequent ids (the ranking beside the draft; see `dflash-mlx draft-vocab`)."),
     distributed: Optional[str] = typer.Option(None, "--distributed", help="tensor or pipeline: shard the target over the processes mlx.launch started (docs/distributed.md); rank 0 serves HTTP, the others follow."),
     draft_dtype: str = typer.Option("auto", "--draft-dtype", help=DRAFT_DTYPE_HELP + " /health names the dtype chosen."),
-    kv_bits: Optional[int] = KV_BITS,
-    kv_group_size: int = KV_GROUP_SIZE,
-    quantized_kv_start: int = QUANTIZED_KV_START,
+    kv_bits: Optional[int] = KV_BITS, kv_group_size: int = KV_GROUP_SIZE, quantized_kv_start: int = QUANTIZED_KV_START,
 ):
     """OpenAI-compatible HTTP server (chat and text completions, streaming) over one DFlash pair."""
     _call(".server.command", "main", **locals())
