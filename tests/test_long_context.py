@@ -160,6 +160,14 @@ def test_the_policy_speculates_less_as_the_context_grows():
         assert long.cycle_seconds(b) == CONTEXTUAL.cycle_seconds(b, 4096)
 
 
+def test_a_plain_step_is_priced_with_the_injection_of_its_position():
+    """Every plain step's position reaches the draft when it next runs: with
+    that counted, a block that barely loses to a bare target step wins."""
+    bare = CostCurve((1, 2), (1.0, 1.9), (0.0, 0.1))  # b = 2 makes 1.6 tokens in 2.0 s
+    assert AdaptiveBlock(bare, 2).choose() == 1
+    assert AdaptiveBlock(CostCurve((1, 2), (1.0, 1.9), (0.0, 0.1), inject_s=0.3), 2).choose() == 2
+
+
 def test_probes_cost_at_most_their_budget_of_the_plain_steps():
     curve = CostCurve((1, 16), (1.0, 4.0), (0.0, 1.0))  # a probe loses about a plain step's time
     policy = AdaptiveBlock(curve, 4)
