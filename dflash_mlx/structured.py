@@ -9,7 +9,7 @@ output is exactly what the target alone decodes under the same mask.
 """
 
 import weakref
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -73,6 +73,8 @@ def _ll_tokenizer(tokenizer, vocab_size: int):
 
 def constraint_for(response_format: Optional[dict], tokenizer, vocab_size: int) -> Optional["Constraint"]:
     """A fresh ``Constraint`` for one generation, or None for plain text.
+    ``response_format["after"]`` (text, e.g. a thinking model's ``</think>``)
+    leaves the output free until the tokens of that text have been generated.
     A format that does not compile is a one-line DFlashError naming it."""
     from llguidance import LLMatcher
 
@@ -82,10 +84,19 @@ def constraint_for(response_format: Optional[dict], tokenizer, vocab_size: int) 
         raise _fail(str(e)) from None
     if source is None:
         return None
+    after = response_format.get("after", "")
+    if not isinstance(after, str):
+        raise _fail(f"after must be text (the grammar starts once it is generated), got {after!r}")
     matcher = LLMatcher(_ll_tokenizer(tokenizer, vocab_size), source, log_level=0)
     if matcher.is_error():
         raise _fail(matcher.get_error())
-    return Constraint(matcher, vocab_size)
+    return Constraint(matcher, vocab_size, tokenizer.encode(after, add_special_tokens=False) if after else [])
+
+
+def _end_of(sequence: list[int], tokens: list[int]) -> Optional[int]:
+    """The index just past the first occurrence of ``sequence`` in ``tokens``."""
+    n = len(sequence)
+    return next((i + n for i in range(len(tokens) - n + 1) if tokens[i : i + n] == sequence), None)
 
 
 class Constraint:
@@ -95,11 +106,14 @@ class Constraint:
     a mask is next needed, so an unconstrained loop never waits for them).
     ``allowed(prefix)`` is the mask after the committed tokens and ``prefix``
     (a block's drafts): the matcher advances through the prefix and is rolled
-    back to the committed tokens before the next commit is consumed."""
+    back to the committed tokens before the next commit is consumed. With
+    ``after`` (token ids), the grammar starts only once they are generated."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, after: Sequence[int] = ()):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.after = list(after)  # still to be generated before the grammar starts; [] once it has
+        self.tail: list[int] = []  # the committed tokens that may begin ``after``
         self.unread: list[mx.array] = []  # committed, not yet consumed by the matcher
         self.ahead: list[int] = []  # consumed past the committed tokens
         self.memo: dict[tuple, Optional[mx.array]] = {}  # prefix -> mask, until the next commit
@@ -110,21 +124,35 @@ class Constraint:
     def _settle(self) -> None:
         if not self.unread:
             return
+        tokens = mx.concatenate(self.unread).tolist()
+        self.unread, self.memo = [], {}
+        if self.after:
+            tokens = self.tail + tokens
+            end = _end_of(self.after, tokens)
+            if end is None:
+                self.tail = tokens[max(0, len(tokens) - len(self.after) + 1) :]
+                return
+            self.after, tokens = [], tokens[end:]
         self.matcher.rollback(len(self.ahead))
-        self.ahead, self.memo = [], {}
+        self.ahead = []
         # every committed token was chosen under the mask, so all are consumed,
         # except tokens after the grammar's end (generation stops at its EOS)
-        self.matcher.try_consume_tokens(mx.concatenate(self.unread).tolist())
-        self.unread = []
+        self.matcher.try_consume_tokens(tokens)
 
     def allowed(self, prefix: list[int]) -> Optional[mx.array]:
         """bool [V]: the tokens the grammar allows after the committed tokens
-        and ``prefix``; None when ``prefix`` leaves the grammar or nothing is
-        allowed after it (then no emitted token depends on the row)."""
+        and ``prefix``; None where the row is free: before ``after``, after
+        a token the grammar rejects (no emitted token depends on that row) or
+        once nothing is allowed."""
         self._settle()
         key = tuple(prefix)
         if key not in self.memo:
-            self.memo[key] = self._mask_after(prefix)
+            if self.after:
+                end = _end_of(self.after, self.tail + prefix)
+                start = None if end is None else end - len(self.tail)
+                self.memo[key] = None if start is None else self._mask_after(prefix[start:])
+            else:
+                self.memo[key] = self._mask_after(prefix)
         return self.memo[key]
 
     def _mask_after(self, prefix: list[int]) -> Optional[mx.array]:
@@ -144,21 +172,17 @@ class Constraint:
     def restrict(self, logits: mx.array, drafted: list[int]) -> mx.array:
         """Rows [n, V], row i masked (-inf outside the grammar) to the tokens
         allowed after ``drafted[: len(drafted) - n + 1 + i]`` (a chain's block:
-        the drafts before row i's). Rows past the first draft the grammar
-        rejects stay as they are: no accepted token can follow that draft."""
-        rows, n = [], logits.shape[0]
+        the drafts before row i's); a free row stays as it is."""
+        n, rows = logits.shape[0], []
         for i in range(n):
             mask = self.allowed(drafted[: len(drafted) - n + 1 + i])
-            if mask is None:
-                rows.append(logits[i:])
-                break
-            rows.append(mx.where(mask, logits[i : i + 1], -mx.inf))
+            rows.append(logits[i : i + 1] if mask is None else mx.where(mask, logits[i : i + 1], -mx.inf))
         return mx.concatenate(rows, axis=0)
 
     def restrict_next(self, logits: mx.array, drafted: list[int]) -> mx.array:
-        """A draft's row [1, V] masked to the tokens allowed after all of
-        ``drafted``; uniform over them where its logits give none a finite
-        value (a reduced drafting vocabulary may hold none of them)."""
+        """One row [1, V] masked to the tokens allowed after all of ``drafted``;
+        uniform over them where its logits give none a finite value (a draft
+        over a reduced vocabulary may hold none of them)."""
         mask = self.allowed(drafted)
         if mask is None:
             return logits

@@ -47,17 +47,26 @@ def llama(target_dirs, draft_dir):
 
 class GrammarMask:
     """An mlx-lm logits processor: -inf outside what the grammar allows next,
-    from its own llguidance matcher fed the generated tokens."""
+    from its own llguidance matcher fed the generated tokens; with ``after``
+    (ids), free until they have been generated."""
 
-    def __init__(self, tokenizer, response_format, prompt_len, vocab_size):
+    def __init__(self, tokenizer, response_format, prompt_len, vocab_size, after=()):
         lltok = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab_size,
                                              eos_token=list(tokenizer.eos_token_ids))
         self.matcher = LLMatcher(lltok, grammar(response_format))
         self.prompt_len, self.fed, self.vocab_size = prompt_len, 0, vocab_size
+        self.after, self.start = list(after), None if after else 0
         self.masks = []  # the mask of every step, for the steered proposer
 
     def __call__(self, tokens, logits):
-        new = tokens[self.prompt_len + self.fed :].tolist()
+        generated = tokens[self.prompt_len :].tolist()
+        if self.start is None:
+            n = len(self.after)
+            self.start = next((i + n for i in range(len(generated)) if generated[i : i + n] == self.after), None)
+            if self.start is None:
+                self.masks.append(np.ones(self.vocab_size, dtype=bool))
+                return logits
+        new = generated[self.start + self.fed :]
         self.matcher.try_consume_tokens(new)  # all but an EOS after the grammar stopped
         self.fed += len(new)
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
@@ -66,9 +75,9 @@ class GrammarMask:
         return mx.where(mx.array(mask), logits, -mx.inf)
 
 
-def constrained_reference(model, tokenizer, prompt_ids, response_format, n):
+def constrained_reference(model, tokenizer, prompt_ids, response_format, n, after=()):
     """(tokens up to EOS or n, the grammar's mask at each) of mlx-lm's greedy decoding."""
-    mask = GrammarMask(tokenizer, response_format, len(prompt_ids), model.args.vocab_size)
+    mask = GrammarMask(tokenizer, response_format, len(prompt_ids), model.args.vocab_size, after)
     tokens = []
     for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=n, logits_processors=[mask]):
         if token in tokenizer.eos_token_ids:
@@ -132,6 +141,33 @@ def test_every_acceptance_length_under_a_grammar(llama):
         accepted.append(cycle.accepted)
     assert out[: len(want)] == want[: len(out)]
     assert set(accepted) == {0, 1, 2, 3, 4}
+
+
+def test_the_grammar_starts_after_its_opening_text(llama):
+    """``after``: free until two tokens of the target's own continuation are
+    generated, then the grammar; through the API and at every acceptance length."""
+    model, tokenizer, draft = llama
+    ids = tokenizer.encode(PROMPT)
+    raw = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=8)]
+    opening = tokenizer.decode(raw[3:5])
+    assert tokenizer.encode(opening, add_special_tokens=False) == raw[3:5]
+    response_format = FORMATS["json_schema"] | {"after": opening}
+    want, masks = constrained_reference(model, tokenizer, ids, FORMATS["json_schema"], 60, after=raw[3:5])
+    assert want[:5] == raw[:5] and want[5:7] != raw[5:7]  # free, then held to the grammar
+    for block_size in (2, 8):
+        res = generate(model, draft, tokenizer, PROMPT, max_tokens=60, block_size=block_size,
+                       response_format=response_format)
+        assert res.tokens == want
+    target = Target(model)
+    proposer = SteeredProposer(len(ids), want, masks, [0, 1, 2, 3, None], target.vocab_size)
+    sampler = BlockSampler(SamplingParams(), constraint_for(response_format, tokenizer, target.vocab_size))
+    decoder = SpeculativeDecoder(target, proposer, [0], 5, sampler=sampler)
+    out, accepted = [decoder.prefill(mx.array(ids))], []
+    while len(out) < len(want):
+        cycle = decoder.cycle()
+        out += cycle.tokens
+        accepted.append(cycle.accepted)
+    assert out[: len(want)] == want and set(accepted) == {0, 1, 2, 3, 4}
 
 
 class RawDrafts:
@@ -215,7 +251,7 @@ def test_a_tree_under_a_grammar_is_the_constrained_targets_output(llama):
 V = 16
 LETTERS = "abcdefghijklmno"  # ids 0..14; id 15 is EOS
 TINY_GRAMMAR = LLMatcher.grammar_from_regex("((a|b)[c-f]|[g-k]){6,}")  # no end within 4 tokens
-RUNS = 600
+RUNS = 400
 ALPHA = 1e-3 / 3
 
 
@@ -315,3 +351,33 @@ def test_a_bad_schema_is_a_400_naming_it(server, route, body):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "response_format" and "objectx" in error["message"]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    from scripted import write_scripted_target
+    from test_server import running_server
+
+    from checkpoints import write_draft
+
+    target, draft = tmp_path_factory.mktemp("scripted-target"), tmp_path_factory.mktemp("scripted-draft")
+    write_draft(draft, write_scripted_target(target), block_size=4)
+    with running_server(tmp_path_factory.mktemp("server"), target, draft, "--block-size", "4") as (url, _):
+        yield url
+
+
+def test_a_thinking_reply_reasons_freely_and_answers_in_the_grammar(thinking_server):
+    """The template leaves <think> open: the reasoning is the model's own, the
+    grammar holds the answer after </think> (held from the first token, the
+    scripted reply would have no reasoning and no room for its answer)."""
+    import openai
+
+    from scripted import ANSWER, REASONING
+
+    client = openai.OpenAI(base_url=thinking_server + "/v1", api_key="none", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "weather?"}], max_tokens=32,
+        response_format={"type": "regex", "regex": "( hello| world)+"})
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"] == REASONING.lstrip()
+    assert message.content == ANSWER and reply.choices[0].finish_reason == "stop"

@@ -36,7 +36,7 @@ from . import anthropic
 from . import engine as eng
 from .errors import APIError
 from .logprobs import Logprobs, Picked
-from .parts import ReplySplitter
+from .parts import ReplySplitter, initial_state
 from .prompts import chat_ids, completion_ids, unicode_text
 from .schemas import ChatRequest, CompletionRequest, Sampling
 
@@ -197,6 +197,9 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
     async def _complete(body: Sampling, ids: list[int], request: Request, splitter: Optional[ReplySplitter]):
         """Run the request; a chat one (with a ``splitter``) replies in parts."""
         if body.response_format is not None:  # compiled off the event loop, like prompts
+            if splitter is not None and initial_state(engine.tokenizer, ids) == "reasoning":
+                # the prompt leaves a thinking block open: the grammar holds the answer after it
+                body.response_format = {"after": engine.tokenizer.think_end, **body.response_format}
             await _tokenized(_check_format, body.response_format, engine.tokenizer, engine.vocab_size)
         job = _submit(body, ids)
         logprobs = None if body.top_logprobs_asked() is None else Logprobs(engine.tokenizer)
