@@ -86,6 +86,21 @@ def test_a_plain_step_runs_the_targets_layers_as_mlx_lms_step_does(target_dirs, 
     assert all(c.offset == len(PROMPT) + len(steps[0]) for c in proposer.cache)
 
 
+def test_the_prefill_feeds_each_layer_every_prompt_row_once_in_mlx_lms_chunks(target_dirs, draft_dir):
+    step = 8
+    draft = load_draft(str(draft_dir("qwen3_5", block_size=4)))
+    theirs, their_logs = counted_model(target_dirs["qwen3_5"])
+    next(generate_step(mx.array(PROMPT), theirs, max_tokens=1, prefill_step_size=step))
+    ours, our_logs = counted_model(target_dirs["qwen3_5"])
+    target = Target(ours)
+    proposer = CountingProposer(draft, target)
+    SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, 4, prefill_step_size=step).prefill(
+        mx.array(PROMPT))
+    assert all(log == [8, 8, 4] for log in our_logs)  # mlx-lm: [8, 8, 3] then the last token alone
+    assert all(sum(o) == sum(t[:4]) == len(PROMPT) for o, t in zip(our_logs, their_logs))
+    assert proposer.passes == 1 and proposer.injected == [8, 8, 4]  # the first block queued after the token
+
+
 def test_plain_steps_are_injected_in_one_batch_before_the_next_draft_pass(target_dirs, draft_dir):
     model, _ = mlx_lm_load(str(target_dirs["qwen3"]))
     target, draft = Target(model), load_draft(str(draft_dir("qwen3", block_size=4)))
