@@ -381,3 +381,23 @@ def test_a_thinking_reply_reasons_freely_and_answers_in_the_grammar(thinking_ser
     message = reply.choices[0].message
     assert message.model_extra["reasoning_content"] == REASONING.lstrip()
     assert message.content == ANSWER and reply.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_under_a_grammar_list_only_possible_tokens(server):
+    """Tokens the grammar rules out have no log-probability (-inf is no JSON):
+    forced positions list fewer alternatives than asked for."""
+    import math
+
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=60)
+    for stream in (False, True):
+        reply = client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=stream,
+            logprobs=True, top_logprobs=20, response_format=FORMATS["regex"])
+        chunks = list(reply) if stream else [reply]
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert entries and all(math.isfinite(e.logprob) for e in entries)
+        assert all(1 <= len(e.top_logprobs) <= 20 and all(math.isfinite(t.logprob) for t in e.top_logprobs)
+                   for e in entries)
+        assert any(len(e.top_logprobs) < 20 for e in entries)

@@ -7,6 +7,7 @@ hands it (``picked``); the routes write them as a chat choice's
 A token's text is its id decoded alone; its bytes are that text's UTF-8.
 """
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -24,7 +25,8 @@ class Picked:
 
 
 def picked(rows: mx.array, tokens: list[int], top: int) -> list[Picked]:
-    """Read rows [n, V] at the n emitted ``tokens`` and their ``top`` best ids (one sync)."""
+    """Read rows [n, V] at the n emitted ``tokens`` and their ``top`` best ids
+    (fewer where fewer are possible), in one sync."""
     if not tokens:
         return []
     rows = rows.astype(mx.float32)
@@ -33,7 +35,9 @@ def picked(rows: mx.array, tokens: list[int], top: int) -> list[Picked]:
         best = mx.argsort(-rows, axis=-1)[:, :top]
         best_values = mx.take_along_axis(rows, best, axis=-1)
         mx.eval(chosen, best, best_values)
-        alternatives = [list(zip(ids, values)) for ids, values in zip(best.tolist(), best_values.tolist())]
+        # ids a response_format's grammar rules out (-inf) are no alternatives: JSON has no -inf
+        alternatives = [[(i, v) for i, v in zip(ids, values) if v != -math.inf]
+                        for ids, values in zip(best.tolist(), best_values.tolist())]
     else:
         alternatives = [[] for _ in tokens]
     return [Picked(t, lp, alt) for t, lp, alt in zip(tokens, chosen.tolist(), alternatives)]
