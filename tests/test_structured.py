@@ -170,6 +170,29 @@ def test_the_grammar_starts_after_its_opening_text(llama):
     assert out[: len(want)] == want and set(accepted) == {0, 1, 2, 3, 4}
 
 
+def test_a_reduced_drafting_vocabulary_under_a_grammar(llama, monkeypatch):
+    """Drafts over 24 ids the grammar mostly rules out: a draft row with no
+    allowed id left is drawn uniformly from the allowed ones (never from -inf
+    everywhere), and the output is still the constrained target's."""
+    from dflash_mlx.draft import rank_tokens
+
+    model, tokenizer, draft = llama
+    ids = tokenizer.encode(PROMPT)
+    monkeypatch.setattr(draft, "vocab_ranking", rank_tokens(ids, model.args.vocab_size), raising=False)
+    want, _ = constrained_reference(model, tokenizer, ids, FORMATS["json_schema"], 40)
+    res = generate(model, draft, tokenizer, PROMPT, max_tokens=40, block_size=4, draft_vocab=24,
+                   response_format=FORMATS["json_schema"])
+    assert res.tokens == want
+    constraint = constraint_for(FORMATS["json_schema"], tokenizer, model.args.vocab_size)
+    first = np.array(constraint.allowed([]))  # only "{" (and whitespace) may open the object
+    row = mx.where(mx.array(first), -mx.inf, mx.zeros((1, model.args.vocab_size)))
+    drawn = np.array(constraint.restrict_next(row, []))[0]
+    assert (drawn[first] == 0).all() and np.isneginf(drawn[~first]).all()
+    sampler = BlockSampler(SamplingParams(temperature=1.0, seed=0), constraint)
+    tokens, q = sampler.draft(mx.concatenate([row, row]))
+    assert first[tokens[0].item()] and np.isfinite(np.array(q)[0][first]).all()
+
+
 class RawDrafts:
     """Drafts chosen by the proposer itself (as DFlash2's walk does), never
     masked: the target's unconstrained greedy continuation."""
