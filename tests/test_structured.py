@@ -124,21 +124,28 @@ class SteeredProposer:
         return one_hot_logits(tokens, self.vocab_size)
 
 
+def steered(model, tokenizer, ids, response_format, want, masks, n):
+    """(at least n tokens, accepted per cycle) of b = 5 cycles under the format,
+    drafted by a ``SteeredProposer`` whose first wrong draft is at 0..3, or none."""
+    target = Target(model)
+    proposer = SteeredProposer(len(ids), want, masks, [0, 1, 2, 3, None], target.vocab_size)
+    sampler = BlockSampler(SamplingParams(), constraint_for(response_format, tokenizer, target.vocab_size))
+    decoder = SpeculativeDecoder(target, proposer, [0], 5, sampler=sampler)
+    out, accepted = [decoder.prefill(mx.array(ids))], []
+    while len(out) < n:
+        cycle = decoder.cycle()
+        out += cycle.tokens
+        accepted.append(cycle.accepted)
+    return out, accepted
+
+
 def test_every_acceptance_length_under_a_grammar(llama):
     """b = 5: blocks whose first wrong draft is at each index 0..3, and none."""
     model, tokenizer, _ = llama
     ids = tokenizer.encode(PROMPT)
     response_format = FORMATS["json_schema"]
     want, masks = constrained_reference(model, tokenizer, ids, response_format, 60)
-    target = Target(model)
-    proposer = SteeredProposer(len(ids), want, masks, [0, 1, 2, 3, None], target.vocab_size)
-    sampler = BlockSampler(SamplingParams(), constraint_for(response_format, tokenizer, target.vocab_size))
-    decoder = SpeculativeDecoder(target, proposer, [0], 5, sampler=sampler)
-    out, accepted = [decoder.prefill(mx.array(ids))], []
-    while len(out) < 40:
-        cycle = decoder.cycle()
-        out += cycle.tokens
-        accepted.append(cycle.accepted)
+    out, accepted = steered(model, tokenizer, ids, response_format, want, masks, 40)
     assert out[: len(want)] == want[: len(out)]
     assert set(accepted) == {0, 1, 2, 3, 4}
 
@@ -158,15 +165,7 @@ def test_the_grammar_starts_after_its_opening_text(llama):
         res = generate(model, draft, tokenizer, PROMPT, max_tokens=60, block_size=block_size,
                        response_format=response_format)
         assert res.tokens == want
-    target = Target(model)
-    proposer = SteeredProposer(len(ids), want, masks, [0, 1, 2, 3, None], target.vocab_size)
-    sampler = BlockSampler(SamplingParams(), constraint_for(response_format, tokenizer, target.vocab_size))
-    decoder = SpeculativeDecoder(target, proposer, [0], 5, sampler=sampler)
-    out, accepted = [decoder.prefill(mx.array(ids))], []
-    while len(out) < len(want):
-        cycle = decoder.cycle()
-        out += cycle.tokens
-        accepted.append(cycle.accepted)
+    out, accepted = steered(model, tokenizer, ids, response_format, want, masks, len(want))
     assert out[: len(want)] == want and set(accepted) == {0, 1, 2, 3, 4}
 
 
