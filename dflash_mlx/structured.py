@@ -59,8 +59,11 @@ def _ll_tokenizer(tokenizer, vocab_size: int):
     tokenizer, vocabulary size and EOS set: about a second for a large vocabulary)."""
     import llguidance.hf
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds it
-    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    wrapped = isinstance(tokenizer, TokenizerWrapper)
+    hf = tokenizer._tokenizer if wrapped else tokenizer
+    eos = sorted(tokenizer.eos_token_ids if wrapped else [hf.eos_token_id])
     built = _tokenizers.setdefault(hf, {})
     key = (vocab_size, tuple(eos))
     if key not in built:

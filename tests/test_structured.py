@@ -234,6 +234,9 @@ def test_output_matches_the_schema(llama):
     value = json.loads(res.text)
     assert set(value) == {"name", "age"} and isinstance(value["age"], int)
     assert isinstance(value["name"], str) and len(value["name"]) <= 12
+    unwrapped = generate(model, draft, tokenizer._tokenizer, PROMPT, max_tokens=200, block_size=4,
+                         response_format=FORMATS["json_schema"], temperature=0.8, seed=1)
+    assert unwrapped.tokens == res.tokens  # a Hugging Face tokenizer as it is
 
 
 @pytest.mark.parametrize("response_format, named", [
