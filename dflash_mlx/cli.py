@@ -172,8 +172,6 @@ def generate(
         validate.options(options, {**GENERATE_FLAGS, **validate.KV_FLAGS})
         choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
         tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
-        if tree_budget and kv_bits is not None:
-            raise DFlashError("--kv-bits runs with the chain, not a DDTree; leave out --tree-budget or --kv-bits")
         block_size = validate.block_option(block_size, "--block-size")
         text = _read_prompt(prompt)
         for value, name in [(system or "", "--system text"), *((s, "--stop string") for s in stop)]:

@@ -195,9 +195,6 @@ def stream_generate(
     if kv_bits is not None:
         kv = KVQuantization(kv_bits, kv_group_size, quantized_kv_start)
         kv.check(target)
-        if tree_budget:
-            raise DFlashError("kv_bits (a quantized KV cache) runs with the chain, not a DDTree; "
-                              "leave out tree_budget or kv_bits")
     head = None
     if draft_vocab is not None:
         head = subset_head(target, draft.vocab_ranking, draft_vocab)  # an integer >= 1: checked above
@@ -229,7 +226,7 @@ def stream_generate(
     if tree_budget:  # the tree drafts b-1 positions deep
         depth_block = block_size if isinstance(block_size, int) else trained
         decoder = TreeDecoder(target, proposer, draft.config.target_layer_ids, depth_block, tree_budget,
-                              prefill_step_size, sampler, context.target, context.tokens)
+                              prefill_step_size, sampler, context.target, context.tokens, kv)
     else:
         if block_size == validate.AUTO:
             policy = auto_policy(target, draft, cost_curve)

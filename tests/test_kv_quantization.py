@@ -19,6 +19,7 @@ from dflash_mlx.errors import DFlashError
 from dflash_mlx.kv_quantization import KVQuantization, prefill_chunks
 from dflash_mlx.server.engine import Engine
 from dflash_mlx.server.prefix_cache import PrefixCache
+from dflash_mlx.tree import TreeDecoder
 
 HEAD_DIM = 32  # the tiny targets' 16 is below MLX's smallest quantization group
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64, 250, 3, 77]  # 11 tokens
@@ -97,12 +98,34 @@ def test_generate_with_kv_bits_is_mlx_lm_with_kv_bits(pairs):
         assert res.tokens == want[: len(res.tokens)] and len(res.tokens) == TOKENS
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_ddtree_with_a_quantized_kv_cache_is_mlx_lm_with_it(pairs, family):
+    """The tree is cut to end at quantized_kv_start as the chain's block is
+    (down to the root alone), on oracle drafts the walk follows to full depth
+    or leaves at once, and through the API with the real draft."""
+    model, tokenizer, draft = pairs[family]
+    kv = KVQuantization(bits=4, group_size=32, start=16)
+    want = mlx_lm_tokens(model, TOKENS + 8, kv, step=4)
+    target = Target(model)
+    for block_size, budget, corrupt_at in [(4, 6, None), (6, 10, None), (6, 10, 0)]:
+        oracle = Oracle(len(PROMPT), want, corrupt_at, target.vocab_size)
+        decoder = TreeDecoder(target, oracle, [0], block_size, budget, prefill_step_size=4, kv=kv)
+        out, blocks = [decoder.prefill(mx.array(PROMPT))], []
+        while len(out) < TOKENS:
+            blocks.append(decoder.block_size)
+            out += decoder.cycle().tokens
+        assert out[:TOKENS] == want[:TOKENS], (block_size, budget, corrupt_at)
+        assert 1 in blocks or 16 - len(PROMPT) in blocks  # cut at the start
+    res = generate(model, draft, tokenizer, PROMPT, max_tokens=TOKENS, block_size=4, tree_budget=5,
+                   kv_bits=4, kv_group_size=32, quantized_kv_start=16, prefill_step_size=4)
+    assert res.tokens == want[:TOKENS]
+
+
 def test_bad_kv_options_are_one_line_errors(pairs):
     model, tokenizer, draft = pairs["llama"]
     for options, words in [(dict(kv_bits=7), "kv_bits must be one of"),
                            (dict(kv_bits=4, kv_group_size=48), "kv_group_size must be one of"),
                            (dict(kv_bits=4, kv_group_size=64), "does not divide the target's head dimension"),
-                           (dict(kv_bits=4, kv_group_size=32, tree_budget=4), "not a DDTree"),
                            (dict(kv_bits=4, quantized_kv_start=-1), "quantized_kv_start must be")]:
         with pytest.raises(DFlashError, match=words):
             generate(model, draft, tokenizer, PROMPT, max_tokens=2, **options)

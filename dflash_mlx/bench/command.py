@@ -87,10 +87,8 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     budgets = parse_tree_budgets(tree_budget)
     contexts = parse_contexts(context)
     kv = validate.kv_options(kv_bits, kv_group_size, quantized_kv_start)
-    if kv:
-        if calibrate or synthetic or budgets:
-            raise DFlashError("--kv-bits applies to a measured run of the chain or --predict, "
-                              "not --calibrate, --synthetic or --tree-budget")
+    if kv and (calibrate or synthetic):
+        raise DFlashError("--kv-bits applies to a measured run or --predict, not --calibrate or --synthetic")
     if contexts and calibrate:
         raise DFlashError("--context applies to a measured run, --synthetic or --predict, not --calibrate")
     if dtype not in ("auto", "keep", *DTYPES):

@@ -30,6 +30,7 @@ import mlx.core as mx
 
 from ..decoder import NON_FINITE, Cycle, Proposer, SpeculativeDecoder, sound_logits
 from ..errors import DFlashError
+from ..kv_quantization import KVQuantization
 from ..sampling import BlockSampler
 from ..target import Attention, Forward, GatedDelta, Target
 from . import gated_delta
@@ -104,14 +105,22 @@ class TreeDecoder(SpeculativeDecoder):
         sampler: Optional[BlockSampler] = None,
         cache: Optional[list] = None,
         tokens: Optional[list[int]] = None,
+        kv: Optional[KVQuantization] = None,
     ):
         check_tree_target(target)
-        super().__init__(target, proposer, layer_ids, block_size, prefill_step_size, sampler, cache, tokens)
+        super().__init__(target, proposer, layer_ids, block_size, prefill_step_size, sampler, cache, tokens, kv)
+        self.tree_block = block_size  # the tree is tree_block - 1 deep, unless kv cuts it at quantized_kv_start
         self.budget = budget
         self.candidates: Optional[tuple[mx.array, mx.array]] = None  # what self.build makes the tree of
         self.build = build_tree
 
     def _queue_draft(self) -> None:
+        if self.kv:
+            self.block_size = self.kv.block(len(self.tokens), self.tree_block)
+        if self.block_size == 1:  # cut at quantized_kv_start: the root alone, a plain step
+            self.build, self.candidates = build_tree, (mx.zeros((0, 1)), mx.zeros((0, 1), dtype=mx.int32))
+            self.draft_finite = mx.array(True)
+            return
         own = getattr(self.proposer, "tree_candidates", None)  # children that depend on their parent
         if own:
             self.build, self.candidates = build_transition_tree, own(self.pending, self.block_size)
@@ -146,6 +155,7 @@ class TreeDecoder(SpeculativeDecoder):
             # no tree of NaN-chosen tokens: y (emitted, not yet fed) stays out of the caches and ``tokens``
             raise DFlashError(NON_FINITE)
         tree = self.build(self.pending.item(), *(c.tolist() for c in self.candidates), self.budget)
+        self._quantize_kv()
         offset = context_length(self.target, self.cache)
         out = tree_forward(self.target, tree, self.cache, self.layer_ids)
         logits = self._process(self.target.logits(out.hidden)[0], tree)
