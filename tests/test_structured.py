@@ -192,6 +192,28 @@ def test_a_reduced_drafting_vocabulary_under_a_grammar(llama, monkeypatch):
     assert first[tokens[0].item()] and np.isfinite(np.array(q)[0][first]).all()
 
 
+def test_plain_steps_between_blocks_under_a_grammar(llama):
+    """b = 1 (a plain target step, masked after the token it feeds) mixed with
+    drafted blocks of the real draft."""
+    from test_block_policy import ScriptedPolicy
+
+    from dflash_mlx.decoder import proposer_for
+
+    model, tokenizer, draft = llama
+    ids = tokenizer.encode(PROMPT)
+    response_format = FORMATS["json_schema"]
+    want, _ = constrained_reference(model, tokenizer, ids, response_format, 60)
+    target = Target(model)
+    blocks = [1, 1, 4, 1, 2, 8, 1, 1, 3, 1, 1, 1]
+    sampler = BlockSampler(SamplingParams(), constraint_for(response_format, tokenizer, target.vocab_size))
+    decoder = SpeculativeDecoder(target, proposer_for(draft, target), draft.config.target_layer_ids,
+                                 ScriptedPolicy(blocks + [1]), sampler=sampler)
+    out = [decoder.prefill(mx.array(ids))]
+    for _ in blocks:
+        out += decoder.cycle().tokens
+    assert out == want[: len(out)]
+
+
 class RawDrafts:
     """Drafts chosen by the proposer itself (as DFlash2's walk does), never
     masked: the target's unconstrained greedy continuation."""
