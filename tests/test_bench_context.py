@@ -105,6 +105,7 @@ def test_bad_kv_and_context_options_are_one_line_errors(target_dirs, draft_dir):
     for args, words in [(["--kv-bits", "7"], "--kv-bits must be one of"),
                         (["--kv-bits", "4", "--synthetic"], "--kv-bits applies to"),
                         (["--context", "4x"], "'4x' is not a token count"),
+                        (["--context", "1k", "--prompts", "demo"], "--context makes its own prompts"),
                         (["--predict", "--preset", "qwen3.5-9b", "--context", "1k,2k"], "prices one context"),
                         ([*pair, "--kv-bits", "4", "-n", "2", "--limit", "1", "--no-warmup"],
                          "kv_group_size 64 does not divide the target's head dimension 16")]:

@@ -91,6 +91,8 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
         raise DFlashError("--kv-bits applies to a measured run or --predict, not --calibrate or --synthetic")
     if contexts and calibrate:
         raise DFlashError("--context applies to a measured run, --synthetic or --predict, not --calibrate")
+    if contexts and (category or prompts != "builtin"):
+        raise DFlashError("--context makes its own prompts (one category per length); leave out --prompts and --category")
     if dtype not in ("auto", "keep", *DTYPES):
         raise DFlashError(f"--dtype must be auto, keep, {', '.join(DTYPES)}; got '{dtype}'")
     choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
