@@ -44,7 +44,8 @@ def grammar(response_format: Optional[dict]) -> Optional[str]:
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"})
     if kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise _fail("json_schema.schema must be a JSON Schema object")
         return LLMatcher.grammar_from_json_schema(schema)
@@ -55,10 +56,10 @@ def grammar(response_format: Optional[dict]) -> Optional[str]:
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int):
-    """llguidance's view of a Hugging Face fast tokenizer (built once per
-    tokenizer, vocabulary size and EOS set: about a second for a large vocabulary)."""
+    """llguidance's view of a Hugging Face fast tokenizer, built once per
+    tokenizer, vocabulary size and EOS set (llguidance puts it at about a
+    second for a large vocabulary)."""
     import llguidance.hf
-
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     wrapped = isinstance(tokenizer, TokenizerWrapper)

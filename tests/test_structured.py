@@ -264,6 +264,8 @@ def test_output_matches_the_schema(llama):
 @pytest.mark.parametrize("response_format, named", [
     ({"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}, "objectx"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema"),
+    ({"type": "json_schema", "json_schema": "person"}, "json_schema.schema"),
+    ({"type": "json_object", "after": 3}, "after must be text"),
     ({"type": "regex", "regex": "[0-9"}, "regex"),
     ({"type": "xml"}, "'xml'"),
     ("json", "must be an object"),
