@@ -227,8 +227,9 @@ class SpeculativeDecoder:
             chunk = prompt[start:stop]
             self._quantize_kv()
             out = self.target.forward(chunk[None], self.cache, self.layer_ids)
+            earlier = [c.state for c in getattr(self.proposer, "cache", None) or []]  # the chunks before
             self._observe_prompt(out.features, chunk, start, prompt.size)
-            mx.eval([c.state for c in self.cache], out.hidden)
+            mx.eval([c.state for c in self.cache], out.hidden, earlier)
             mx.clear_cache()
         self.tokens.extend(prompt[len(self.tokens) :].tolist())
         self._remember(prompt.tolist())
@@ -245,8 +246,9 @@ class SpeculativeDecoder:
         """Hand the proposer a prompt chunk's rows (positions start..): only
         those its next block can still see at the prompt's ``end`` (a draft
         whose layers all attend through sliding windows), the others skipped.
-        The injection is left lazy: it runs with the first draft pass, not
-        before the first token."""
+        The injection is left lazy: the last chunk's runs with the first draft
+        pass, not before the first token; an earlier chunk's with the next
+        chunk's target pass, so at most two chunks' features are held."""
         visible = getattr(self.proposer, "visible_rows", None)
         rows = visible() if visible else None
         skip = 0 if rows is None else min(max(end - rows - start, 0), chunk.size)
