@@ -6,12 +6,12 @@ load-time forward check (``forward_check.py``). Modules outside this folder use 
 
 from .adapter import SUPPORTED_MODEL_TYPES, Forward, Target
 from .forward_check import check_forward
-from .gated_delta import GatedDelta, project, split_qkv
+from .gated_delta import GatedDelta, project, split_qkv, sum_heads
 from .gated_delta_steps import CHECKPOINT_EVERY, steps
 from .layer_kinds import Attention
 from .sharded import PipelineTarget, TensorParallelTarget, sharded_target
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "Forward", "Target", "check_forward", "GatedDelta", "project", "split_qkv",
+    "SUPPORTED_MODEL_TYPES", "Forward", "Target", "check_forward", "GatedDelta", "project", "split_qkv", "sum_heads",
     "CHECKPOINT_EVERY", "steps", "Attention", "PipelineTarget", "TensorParallelTarget", "sharded_target",
 ]

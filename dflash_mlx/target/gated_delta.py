@@ -69,6 +69,13 @@ def split_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, m
     return q, k, v
 
 
+def sum_heads(gdn: nn.Module, out: mx.array) -> mx.array:
+    """The layer's output summed over the group when mlx-lm's ``shard()`` split
+    its heads across ranks (tensor parallel, ``sharding_group``), as its own call does."""
+    group = getattr(gdn, "sharding_group", None)
+    return out if group is None else mx.distributed.all_sum(out, group=group)
+
+
 def project(gdn: nn.Module, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """The convolution's input (q, k, v side by side) [B, S, conv_dim], z [B, S, Hv, Dv],
     b and a [B, S, Hv] of a GatedDeltaNet over ``x``, from either projection layout:
@@ -112,9 +119,7 @@ def recording_attention(gdn: nn.Module, x: mx.array, mask, cache: ArraysCache):
         cache[1] = states[-1]
         g = beta = None
     cache.advance(S)
-    out = gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1))
-    if getattr(gdn, "sharding_group", None) is not None:  # tensor parallel: sum the heads' shares, as mlx-lm does
-        out = mx.distributed.all_sum(out, group=gdn.sharding_group)
+    out = sum_heads(gdn, gdn.out_proj(gdn.norm(out, z).reshape(B, S, -1)))
     return out, GatedDeltaRecord(conv_input, q, k, v, a, b, state, gdn, g, beta, states, every)
 
 

@@ -29,7 +29,7 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 from ..kernels import gdn as gdn_kernels
 from ..kernels.gdn_tree import KERNEL as TREE_KERNEL
 from ..kernels.gdn_tree import TreeIndex
-from ..target import project, split_qkv
+from ..target import project, split_qkv, sum_heads
 from .build import Tree
 
 
@@ -82,7 +82,7 @@ def tree_attention(gdn: nn.Module, x: mx.array, tree_plan: TreePlan, cache: Arra
     g, beta = compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b)
     recurrence = TREE_KERNEL.reference if gdn.training else TREE_KERNEL
     (out,) = recurrence(q, k, v, g, beta, state, tree=tree_plan.index)
-    out = gdn.out_proj(gdn.norm(out, z).reshape(1, N, -1))
+    out = sum_heads(gdn, gdn.out_proj(gdn.norm(out, z).reshape(1, N, -1)))
     return out, TreeRecord(conv_state, qkv, q, k, v, a, b, state, gdn)
 
 
