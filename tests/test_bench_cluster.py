@@ -4,10 +4,11 @@ against figures worked out by hand."""
 import json
 
 import pytest
-from cli_run import cli, one_error_line
+from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError
 from dflash_mlx.bench import cluster as c
+from dflash_mlx.cli import app
 from dflash_mlx.bench import cost_model as cm
 from dflash_mlx.bench.chips import find_chips
 from dflash_mlx.bench.presets import PRESETS
@@ -101,9 +102,10 @@ def test_link_figures_can_be_overridden_and_bad_ones_are_one_line():
 
 def test_cli_prints_and_writes_the_cluster_prediction(tmp_path):
     out = tmp_path / "cluster.json"
-    done = cli("bench", "--predict", "--preset", "qwen3.5-397b-a17b-4bit", "--machines", "2",
-               "--chip", "M3 Ultra", "--link", "tb5-ring", "--link-latency-us", "100", "--json", out)
-    assert done.returncode == 0, done.stderr
+    done = CliRunner().invoke(app, ["bench", "--predict", "--preset", "qwen3.5-397b-a17b-4bit", "--machines", "2",
+                                    "--chip", "M3 Ultra", "--link", "tb5-ring", "--link-latency-us", "100",
+                                    "--json", str(out)])
+    assert done.exit_code == 0, done.output
     assert "predicted decode speed on 2 Macs" in done.stdout and "tensor" in done.stdout
     report = json.loads(out.read_text())
     assert report["link"]["latency_us"] == 100.0 and report["link"]["bandwidth_gbs"] == 10.0
@@ -119,4 +121,7 @@ def test_cli_prints_and_writes_the_cluster_prediction(tmp_path):
     (["--calibrate", "--distributed", "tensor"], "--distributed applies to a measured run"),
 ])
 def test_cli_cluster_options_refused_in_one_line(args, message):
-    one_error_line(cli("bench", *args), message)
+    done = CliRunner().invoke(app, ["bench", *args])
+    assert done.exit_code == 1
+    lines = done.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), done.output
