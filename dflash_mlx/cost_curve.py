@@ -360,7 +360,9 @@ class DriftWatch:
     past ``DRIFT`` either way (a loaded machine, another power state). Then
     ``on_drift`` runs once (``forget``: the next generation measures the curve
     again) and ``factor`` gives each kind's median ratio from then on (to 1/8
-    of an octave), by which the policy scales the curve for the rest of the run."""
+    of an octave; 1 for a kind not yet timed three times, so that the policy
+    tries it rather than assume it drifted alike), by which the policy scales
+    the curve for the rest of the run."""
 
     def __init__(self, curve: CostCurve, on_drift: Optional[Callable[[], None]] = None,
                  clock: Callable[[], float] = time.perf_counter, window: int = DRIFT_WINDOW,
@@ -390,10 +392,9 @@ class DriftWatch:
         self.last = now
 
     def _rescale(self) -> None:
-        medians = {kind: statistics.median(r) for kind, r in self.ratios.items() if len(r) >= 3}
-        plain = medians.get(False, medians.get(True, 1.0))
-        step = lambda m: 2 ** (round(math.log2(max(m, 1e-9)) * 8) / 8)  # noqa: E731
-        self.factors = (step(plain), step(medians.get(True, plain)))
+        step = lambda r: 2 ** (round(math.log2(max(statistics.median(r), 1e-9)) * 8) / 8)  # noqa: E731
+        self.factors = tuple(step(self.ratios[kind]) if len(self.ratios[kind]) >= 3 else 1.0
+                             for kind in (False, True))
 
     def factor(self, block_size: int) -> float:
         return self.factors[block_size > 1]

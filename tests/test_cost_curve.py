@@ -238,6 +238,9 @@ def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
     assert drifted == [True] and watch.factor(1) == 2.0 and watch.factor(2) == 1.0
     _cycles(watch, clock, slowed, [1] * 20)
     assert drifted == [True]  # once
+    fresh = cc.DriftWatch(CONTEXTUAL, None, clock, window=8)
+    _cycles(fresh, clock, slowed, [1] * 9)
+    assert fresh.drifted and fresh.factor(1) == 2.0 and fresh.factor(2) == 1.0  # not yet timed: tried as priced
     curve = CostCurve((1, 2), (1.0, 2.2), (0.0, 0.1))  # b = 2 nearly pays at tau 1.6 ...
     policy = AdaptiveBlock(curve, 2, watch=watch)
     assert AdaptiveBlock(curve, 2).choose() == 1
