@@ -303,6 +303,7 @@ def test_cli_trains_resumes_and_exports(target_dirs, corpus, tmp_path):
     (["--data", "X", "--arch", "dflash3"], "--arch"),
     (["--data", "X", "--arch", "dflash2", "--selector", "64,0"], "--selector's k"),
     (["--data", "X", "--arch", "dflash2", "--conv", "2"], "--conv"),
+    (["--data", "X", "--arch", "dflash2", "--conv", "2,7"], "conv_group_size 7 does not divide"),
     (["--data", "X", "--arch", "dflash2", "--selector-weight", "nan"], "--selector-weight"),
 ])
 def test_cli_train_bad_input_is_one_error_line(target_dirs, tmp_path, extra, fragment):
