@@ -103,3 +103,50 @@ def test_a_lost_follower_ends_the_server_with_one_line(pair, tmp_path):
         assert procs[0].wait(timeout=30) == 1
     last = (tmp_path / "rank0.log").read_text().strip().splitlines()[-1]
     assert last.startswith("error: rank 0: the distributed group lost a rank ("), last
+
+
+HEARTBEATS = """
+import sys, time
+from dflash_mlx import DFlashError, distributed
+from dflash_mlx.server.distributed import GroupEngine
+
+launch = distributed.Launch(distributed.init("tensor"), "tensor")
+engine = GroupEngine(launch, sys.argv[1], sys.argv[2], block_size=4, timeout=3.0, heartbeat=0.5)
+if launch.group.rank() == 0:
+    engine.start()  # its worker sends heartbeats while no request comes
+    print("ready", flush=True)
+    time.sleep(600)
+else:
+    try:
+        engine.follow()
+    except DFlashError as e:
+        sys.exit(f"error: {e}")
+"""
+
+
+@pytest.mark.parametrize("stopped", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_idle_ranks_exchange_heartbeats_and_a_hung_one_ends_the_other(pair, tmp_path, stopped):
+    """Idle past the watchdog's 3 s, both ranks live on heartbeats; once one rank
+    hangs (SIGSTOP: a machine gone without closing its connections), the other's
+    watchdog ends it with one line."""
+    target, draft, _, _ = pair
+    start = free_ports(2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{start + rank}"] for rank in range(2)]))
+    procs = [subprocess.Popen([sys.executable, "-c", HEARTBEATS, str(target), str(draft)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
+             for rank in range(2)]
+    try:
+        assert procs[0].stdout.readline() == "ready\n", procs[0].stderr.read()
+        time.sleep(5)
+        assert [p.poll() for p in procs] == [None, None]
+        procs[stopped].send_signal(signal.SIGSTOP)
+        other = procs[1 - stopped]
+        assert other.wait(timeout=30) == 1
+        assert other.stderr.read().strip().splitlines()[-1].startswith(
+            f"error: rank {1 - stopped}: no progress from the distributed group in 3 s")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -11,13 +11,17 @@ at a cycle boundary because the client went away or the server is shutting
 down, is sent at every cycle boundary. A prefix cache entry counts the
 group's largest share of its bytes, so every rank keeps and evicts the same
 entries. When rank 0's worker ends it sends the end, and the followers return.
-A rank that stops ends the server: rank 0 answers the request it was decoding
-with a 503 and shuts down; the followers exit with one line.
+While idle, rank 0 sends a heartbeat every ``heartbeat`` seconds, so that every
+wait on another rank is bounded: a rank that stops ends the server (rank 0
+answers the request it was decoding with a 503 and shuts down; the followers
+exit with one line), and a rank that hangs, or whose machine vanished, is
+caught by the watchdog after ``timeout`` seconds (``distributed.Watchdog``).
 """
 
 import dataclasses
 import json
 import os
+import queue
 import signal
 from typing import Optional, Union
 
@@ -25,12 +29,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
-from ..distributed import Launch, LostRank, broadcast, lost_rank_errors
+from ..distributed import TIMEOUT_S, Launch, LostRank, Watchdog, broadcast, lost_rank_errors
 from ..errors import DFlashError
 from .engine import Engine, Failed, Job, Request
 from .prefix_cache import PrefixCache
 
-REQUEST, END = 1, 2  # what rank 0 sends
+REQUEST, END, ALIVE = 1, 2, 3  # what rank 0 sends
+HEARTBEAT_S = 30.0  # how often an idle rank 0 tells the followers it is there
 
 
 def exchange(group: mx.distributed.Group, kind: int = 0, payload: bytes = b"") -> tuple[int, bytes]:
@@ -84,11 +89,37 @@ class GroupEngine(Engine):
 
     def __init__(self, launch: Launch, model: str, draft: str, block_size: Union[int, str, None] = "auto",
                  max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None,
-                 draft_dtype: str = "auto"):
+                 draft_dtype: str = "auto", timeout: float = TIMEOUT_S, heartbeat: float = HEARTBEAT_S):
         super().__init__(model, draft, block_size, max_queue, prefix_cache_bytes, draft_vocab, draft_dtype=draft_dtype)
         self.launch = launch
         self.group = launch.group
+        self.timeout, self.heartbeat = timeout, heartbeat
         self.lost: Optional[str] = None  # why the group broke, once it has
+
+    def _exchange(self, kind: int = 0, payload: bytes = b"") -> tuple[int, bytes]:
+        """``exchange``, bounded by the watchdog; LostRank if a rank went away."""
+        with Watchdog(self.timeout, self.group.rank()), lost_rank_errors(self.group):
+            return exchange(self.group, kind, payload)
+
+    def _lose(self, error: LostRank, job: Optional[Job] = None) -> None:
+        """Rank 0 after losing a rank: answer ``job`` with a 503 and shut the server down."""
+        self.lost = str(error)
+        if job is not None:
+            job.emit(Failed(503, f"the server lost a machine of its distributed group: {error}",
+                            "distributed_group_lost"))
+        self.shut_down()
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts the server down; serve() then fails with self.lost
+
+    def _next_job(self) -> Optional[Job]:
+        while self.lost is None:
+            try:
+                return self._queue.get(timeout=self.heartbeat)
+            except queue.Empty:
+                try:
+                    self._exchange(ALIVE)
+                except LostRank as e:
+                    self._lose(e)
+        return self._queue.get()  # what is left, each cancelled by shut_down, then stop's None
 
     def _load_target(self):
         return self.launch.load(self.model_id)
@@ -108,15 +139,11 @@ class GroupEngine(Engine):
     def _generate(self, job: Job) -> None:
         """Rank 0: send the request to the followers, then decode it with them."""
         try:
+            self._exchange(REQUEST, encode_request(job.request))
             with lost_rank_errors(self.group):
-                exchange(self.group, REQUEST, encode_request(job.request))
                 super()._generate(job)
         except LostRank as e:
-            self.lost = str(e)
-            job.emit(Failed(503, f"the server lost a machine of its distributed group: {e}",
-                            "distributed_group_lost"))
-            self.shut_down()
-            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts the server down; serve() then fails with self.lost
+            self._lose(e, job)
 
     def _serve(self) -> None:
         try:
@@ -124,8 +151,7 @@ class GroupEngine(Engine):
         finally:
             if self.prefix_cache is not None and self.lost is None:  # loaded, and the group still whole
                 try:
-                    with lost_rank_errors(self.group):
-                        exchange(self.group, END)
+                    self._exchange(END)
                 except LostRank:  # stopping anyway; the followers end on their own error
                     pass
 
@@ -134,13 +160,13 @@ class GroupEngine(Engine):
         request rank 0 sends until it sends the end (LostRank if a rank stops)."""
         with lost_rank_errors(self.group):
             self._load()
-            while True:
-                kind, payload = exchange(self.group)
-                if kind == END:
-                    return
-                try:
-                    super()._generate(FollowedJob(decode_request(payload)))
-                except LostRank:
-                    raise
-                except DFlashError:  # the request's own fault: rank 0 hit it too and answered it
-                    pass
+        while (message := self._exchange())[0] != END:
+            if message[0] != REQUEST:  # a heartbeat
+                continue
+            try:
+                with lost_rank_errors(self.group):
+                    super()._generate(FollowedJob(decode_request(message[1])))
+            except LostRank:
+                raise
+            except DFlashError:  # the request's own fault: rank 0 hit it too and answered it
+                pass

@@ -233,6 +233,10 @@ class Engine:
         return stream_generate(self.target, self.draft, self.tokenizer, prompt, block_size=self.block_size,
                                draft_vocab=self.draft_vocab, **self.kv, **kwargs)
 
+    def _next_job(self) -> Optional[Job]:
+        """The next queued job, waiting as long as it takes; None when the engine stops."""
+        return self._queue.get()
+
     def _cancelled(self, job: Job) -> bool:
         """Whether the request decoding stops at this cycle boundary (its client went away)."""
         return job.cancelled.is_set()
@@ -260,7 +264,7 @@ class Engine:
             return
         finally:
             self._ready.set()
-        while (job := self._queue.get()) is not None:
+        while (job := self._next_job()) is not None:
             try:
                 if not job.cancelled.is_set():
                     self._generate(job)
