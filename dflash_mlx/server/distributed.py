@@ -93,6 +93,7 @@ class GroupEngine(Engine):
         super().__init__(model, draft, block_size, max_queue, prefix_cache_bytes, draft_vocab, draft_dtype=draft_dtype)
         self.launch = launch
         self.group = launch.group
+        self.generator = launch.stream_generate
         self.timeout, self.heartbeat = timeout, heartbeat
         self.lost: Optional[str] = None  # why the group broke, once it has
 
@@ -126,10 +127,6 @@ class GroupEngine(Engine):
 
     def _prefix_cache(self) -> PrefixCache:
         return GroupPrefixCache(self.target, self.draft, self.prefix_cache_bytes, self.group)
-
-    def _stream(self, prompt: list[int], **kwargs):
-        return self.launch.stream_generate(self.target, self.draft, self.tokenizer, prompt,
-                                           block_size=self.block_size, draft_vocab=self.draft_vocab, **kwargs)
 
     def _cancelled(self, job: Job) -> bool:
         # on the stream the decoding queues its passes on, so that it follows their collectives

@@ -125,6 +125,8 @@ class Job:
 class Engine:
     """Loads the pair on its worker thread and runs queued requests there."""
 
+    generator = staticmethod(stream_generate)  # what decodes (server/distributed.py: the group's loop)
+
     def __init__(self, model: str, draft: str, block_size: Union[int, str, None] = "auto",
                  max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None,
                  kv: Optional[dict] = None, draft_dtype: str = "auto"):
@@ -230,8 +232,8 @@ class Engine:
 
     def _stream(self, prompt: list[int], **kwargs):
         """``stream_generate`` over this engine's pair, block size, drafting vocabulary and KV cache."""
-        return stream_generate(self.target, self.draft, self.tokenizer, prompt, block_size=self.block_size,
-                               draft_vocab=self.draft_vocab, **self.kv, **kwargs)
+        return self.generator(self.target, self.draft, self.tokenizer, prompt, block_size=self.block_size,
+                              draft_vocab=self.draft_vocab, **self.kv, **kwargs)
 
     def _next_job(self) -> Optional[Job]:
         """The next queued job, waiting as long as it takes; None when the engine stops."""
