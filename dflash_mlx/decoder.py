@@ -35,8 +35,9 @@ class Proposer(Protocol):
         """Features [1, T, k*H] and ids [T] of the next T committed positions.
 
         A proposer that sees only the latest positions also has
-        ``visible_rows() -> int or None`` and ``skip(n)``, told the prompt
-        positions its blocks will never see instead of their features."""
+        ``visible_rows() -> int or None`` and ``skip(tokens)``, told the ids
+        of the prompt positions its blocks will never see instead of their
+        features."""
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
         """Logits [b-1, V] for the b-1 tokens following token y ([1])."""
@@ -73,10 +74,10 @@ class DraftProposer:
         keeps = [c.keep for c in self.cache]
         return None if None in keeps else max(keeps)
 
-    def skip(self, n: int) -> None:
-        """The next ``n`` positions, which no block will see: counted, not injected."""
+    def skip(self, tokens: mx.array) -> None:
+        """The next positions (ids [T]), which no block will see: counted, not injected."""
         for c in self.cache:
-            c.skip(n)
+            c.skip(tokens.size)
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
         return self.draft.scale_logits(self.head(self.block_hidden(y, block_size)))
@@ -253,7 +254,7 @@ class SpeculativeDecoder:
         rows = visible() if visible else None
         skip = 0 if rows is None else min(max(end - rows - start, 0), chunk.size)
         if skip:
-            self.proposer.skip(skip)
+            self.proposer.skip(chunk[:skip])
         if skip < chunk.size:
             self.proposer.observe(features[:, skip:], chunk[skip:])
 

@@ -109,6 +109,10 @@ class SteeredProposer(DFlash2Proposer):
         self.position += tokens.size
         super().observe(features, tokens)
 
+    def skip(self, tokens):  # prompt positions the sliding windows will not see
+        self.position += tokens.size
+        super().skip(tokens)
+
     def _rows(self, y, block_size):
         hidden, logits = super()._rows(y, block_size)
         start = self.position - self.prompt_len + 1

@@ -54,6 +54,9 @@ def selector_proposer(draft, wrong=None):
             self.history += tokens.tolist()
             self.features.append(features)
 
+        def visible_rows(self):
+            return None  # every position, re-injected from the start below
+
         def _rows(self, y, block_size):
             context = (tuple(self.history + y.tolist()), block_size)
             if context not in self.memo:
