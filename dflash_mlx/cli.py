@@ -172,6 +172,8 @@ def generate(
         validate.options(options, {**GENERATE_FLAGS, **validate.KV_FLAGS})
         choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
         tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
+        if distributed and kv_bits is not None:
+            raise DFlashError("--kv-bits is not supported with --distributed; leave one out")
         block_size = validate.block_option(block_size, "--block-size")
         text = _read_prompt(prompt)
         for value, name in [(system or "", "--system text"), *((s, "--stop string") for s in stop)]:

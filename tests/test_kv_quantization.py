@@ -194,6 +194,8 @@ def test_the_server_engine_runs_every_request_with_its_kv_options(pairs, tmp_pat
                         (["--kv-bits", "4", "--distributed", "tensor"], "not supported with --distributed")]:
         res = runner.invoke(app, ["serve", "--port", "0", *args])
         assert res.exit_code == 1 and words in res.output, (args, res.output)
+    res = runner.invoke(app, ["generate", "-p", "x", "--kv-bits", "4", "--distributed", "tensor"])
+    assert res.exit_code == 1 and "--kv-bits is not supported with --distributed" in res.output
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])

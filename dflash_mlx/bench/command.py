@@ -87,8 +87,9 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     budgets = parse_tree_budgets(tree_budget)
     contexts = parse_contexts(context)
     kv = validate.kv_options(kv_bits, kv_group_size, quantized_kv_start)
-    if kv and (calibrate or synthetic):
-        raise DFlashError("--kv-bits applies to a measured run or --predict, not --calibrate or --synthetic")
+    if kv and (calibrate or synthetic or distributed):
+        raise DFlashError("--kv-bits applies to a measured run or --predict, not --calibrate, --synthetic "
+                          "or --distributed")
     if contexts and calibrate:
         raise DFlashError("--context applies to a measured run, --synthetic or --predict, not --calibrate")
     if contexts and (category or prompts != "builtin"):
