@@ -306,7 +306,9 @@ def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
             budget_s: float = BUDGET_S) -> CostCurve:
     """Time every pass at ``CONTEXT`` and at ``long_context`` tokens (half the
     budget each; see ``_pass_seconds``), and the injection of a plain step's
-    position. A slope the noise makes negative counts as none."""
+    position. Each pass's slopes over the sizes are one straight line fitted
+    to them (``slope_line``): b queries attend over the context, and a line
+    is steadier than each difference of two noisy timings."""
     near = _pass_seconds(target, draft, sizes, CONTEXT, budget_s / 2)
     far_context = long_context(target, sizes)
     far = near if far_context is None else _pass_seconds(target, draft, sizes, far_context, budget_s / 2)
@@ -315,11 +317,23 @@ def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
     def column(kind: str, table: dict) -> tuple[float, ...]:
         return tuple(0.0 if (b, kind) not in table else table[b, kind] for b in sizes)
 
-    def slope(kind: str) -> tuple[float, ...]:
-        return tuple(max((f - n) / span, 0.0) for f, n in zip(column(kind, far), column(kind, near)))
+    def slope(kind: str, first: int) -> tuple[float, ...]:
+        raw = [(f - n) / span for f, n in zip(column(kind, far), column(kind, near))]
+        return (0.0,) * first + slope_line(sizes[first:], raw[first:])
 
     return CostCurve(tuple(sizes), column("target", near), column("draft", near), CONTEXT,
-                     slope("target"), slope("draft"), _inject_seconds(target, draft))
+                     slope("target", 0), slope("draft", 1), _inject_seconds(target, draft))
+
+
+def slope_line(sizes, slopes) -> tuple[float, ...]:
+    """The least-squares line a + c * b through measured (b, slope) points,
+    neither term below 0, at each size."""
+    n = len(sizes)
+    mean_b, mean_s = sum(sizes) / n, sum(slopes) / n
+    var = sum((b - mean_b) ** 2 for b in sizes)
+    c = max(sum((b - mean_b) * (s - mean_s) for b, s in zip(sizes, slopes)) / var, 0.0) if var else 0.0
+    a = max(mean_s - c * mean_b, 0.0)
+    return tuple(a + c * b for b in sizes)
 
 
 def cost_curve(target: Target, draft: DFlashDraft, directory: Optional[os.PathLike] = None,

@@ -190,6 +190,15 @@ def test_the_curve_grows_with_the_context_by_its_slopes():
         CostCurve((1, 2), (1.0, 2.0), (0.0, 1.0), 64, (0.01, -0.01), ())
 
 
+def test_slopes_are_one_line_over_the_sizes():
+    assert cc.slope_line((1, 2, 4), (1.0, 2.0, 4.0)) == pytest.approx((1.0, 2.0, 4.0))  # on the line
+    noisy = cc.slope_line((2, 4, 8, 16), (3.0, 0.0, 9.0, 15.0))  # one timing low
+    assert all(b > a for a, b in zip(noisy, noisy[1:])) and min(noisy) > 0
+    assert cc.slope_line((2, 4, 8), (5.0, 1.0, -3.0)) == pytest.approx((1.0, 1.0, 1.0))  # no negative growth
+    assert cc.slope_line((2, 4, 8), (-1.0, -1.0, -2.0)) == (0.0, 0.0, 0.0)
+    assert cc.slope_line((2,), (0.5,)) == (0.5,)
+
+
 def test_the_long_context_fits_the_targets_positions(pair):
     target, _ = pair
     sizes = (1, 2, 4, 8)
