@@ -68,7 +68,7 @@ def complete(url: str, ids: list[int], **fields) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_requests_through_rank_0_then_shutdown_ends_both(pair, tmp_path, mode):
+def test_requests_through_rank_0_then_ctrl_c_ends_both(pair, tmp_path, mode):
     target, draft, ids, expected = pair
     with two_rank_server(tmp_path, target, draft, mode) as (url, procs):
         assert complete(url, ids)["choices"][0]["text"] == expected  # the single-process output
@@ -82,7 +82,8 @@ def test_requests_through_rank_0_then_shutdown_ends_both(pair, tmp_path, mode):
         assert again["choices"][0]["text"] == expected
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert httpx.get(url + "/health", timeout=10).json()["active"] == 0
-        procs[0].send_signal(signal.SIGTERM)
+        for p in procs:  # as a terminal's Ctrl-C reaches every process mlx.launch started
+            p.send_signal(signal.SIGINT)
         assert [p.wait(timeout=30) for p in procs] == [0, 0]
     for rank in range(2):
         assert "Traceback" not in (tmp_path / f"rank{rank}.log").read_text()

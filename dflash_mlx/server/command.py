@@ -58,6 +58,8 @@ def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_t
         if launch is not None and not talks(launch.group):
             check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block, draft_vocab, api_key,
                           draft_dtype=draft_dtype)
+            # a terminal's Ctrl-C reaches every rank: a follower ends when rank 0, shutting down, says so
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             make_engine(pair, block, max_queue, prefix_cache_gb, draft_vocab, launch, draft_dtype=draft_dtype).follow()
             return
         serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb, block, draft_vocab, launch,
