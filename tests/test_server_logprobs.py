@@ -119,7 +119,7 @@ def test_replies_name_the_engine_and_the_pair(client, url, pair):
     assert {c.system_fingerprint for c in chunks} == {reply.system_fingerprint}
     headers = {"Authorization": f"Bearer {KEY}"}
     described = {"target": str(pair[0]), "draft": str(pair[1]), "block_size": 4, "draft_vocab": None,
-                 "dflash_mlx": version}
+                 "draft_dtype": "float32", "dflash_mlx": version}
     assert httpx.get(url + "/health", headers=headers, timeout=60).json()["pair"] == described
     [listed] = httpx.get(url + "/v1/models", headers=headers, timeout=60).json()["data"]
     assert listed["pair"] == described
