@@ -209,11 +209,8 @@ def stream_generate(target: Target, draft: DFlashDraft, tokenizer, prompt, group
                     timeout: float = TIMEOUT_S, **kwargs) -> Generator[GenerationResponse, None, None]:
     """``dflash_mlx.stream_generate`` on one rank of ``group``; every rank
     calls it with the same arguments and gets the same responses. ``kwargs``
-    are ``stream_generate``'s; DDTree (``tree_budget``) runs on a tensor-parallel
-    target only, and a reduced drafting vocabulary (``draft_vocab``) not at all."""
-    if kwargs.get("tree_budget") and isinstance(target, PipelineTarget):
-        raise DFlashError("--tree-budget is not supported with --distributed pipeline; use --distributed tensor "
-                          "or drop it to decode a chain")
+    are ``stream_generate``'s; a reduced drafting vocabulary (``draft_vocab``)
+    is not supported here."""
     if kwargs.get("draft_vocab") is not None:
         raise DFlashError("--draft-vocab is not supported with --distributed; drop it to draft over the full vocabulary")
     with Watchdog(timeout, group.rank()) as watchdog, lost_rank_errors(group):

@@ -16,7 +16,6 @@ from mlx_lm import convert as mlx_lm_convert
 
 from dflash_mlx import DFlashError, generate, load, load_draft
 from dflash_mlx import distributed
-from dflash_mlx.target import PipelineTarget
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 # (mode, family): tensor parallel where mlx-lm's model has shard(), pipeline where it has pipeline();
@@ -37,7 +36,8 @@ EOS = 2  # the tiny checkpoints' eos_token_id
 LAUNCH_TIMEOUT_S = 120
 SEEDED = {"block_size": 4, "temperature": 1.0, "seed": 7, "logit_bias": {EOS: -1e9}}
 TREE = {"block_size": 4, "tree_budget": 6}
-TREE_FAMILIES = ("llama", "qwen3_5")  # DDTree under tensor parallelism: attention only, and GatedDeltaNet
+# DDTree: attention only, and GatedDeltaNet (tensor); GatedDeltaNet and MoE stages (pipeline)
+TREE_CASES = [("tensor", "llama"), ("tensor", "qwen3_5"), ("pipeline", "qwen3_5"), ("pipeline", "qwen3_moe")]
 
 
 def free_ports(n: int) -> int:
@@ -125,7 +125,7 @@ def launched(pairs, tmp_path_factory):
                      "options": {"block_size": 4, "temperature": 1.0, "logit_bias": {EOS: -1e9}}},
                     {"name": f"{family}-seeded", **common, "options": SEEDED},
                 ]
-                if name == "tensor" and family in TREE_FAMILIES:
+                if (name, family) in TREE_CASES:
                     runs += [{"name": f"{family}-tree", **common, "options": TREE},
                              {"name": f"{family}-tree-seeded", **common, "options": {**SEEDED, **TREE}}]
                 if family == ADAPTIVE_FAMILY:
@@ -187,13 +187,13 @@ def test_sampled_with_a_seed_draws_as_one_process_does(launched, pairs, mode, fa
         assert rank[f"{family}-seeded"]["tokens"] == single.tokens
 
 
-@pytest.mark.parametrize("family", TREE_FAMILIES)
-def test_ddtree_under_tensor_parallelism_equals_one_process(launched, pairs, family):
+@pytest.mark.parametrize("mode,family", TREE_CASES)
+def test_ddtree_on_a_sharded_target_equals_one_process(launched, pairs, mode, family):
     """A DDTree verified on the sharded target: greedy, the single-process tree's
     tokens and mlx-lm's sharded greedy; sampled with a seed, the single-process draws."""
     target, draft = pairs[family]
     model, tokenizer = load(target)
-    ranks = launched("tensor")
+    ranks = launched(mode)
     prompt = ranks[0][f"{family}-tree"]["prompt"]
     greedy = generate(model, load_draft(draft), tokenizer, prompt, max_tokens=MAX_TOKENS, **TREE)
     sampled = generate(model, load_draft(draft), tokenizer, prompt, max_tokens=MAX_TOKENS, **{**SEEDED, **TREE})
@@ -307,6 +307,3 @@ def test_cli_rank_without_distributed_is_refused(pairs):
 def test_unsupported_options_are_one_clear_error():
     with pytest.raises(DFlashError, match="^--draft-vocab is not supported with --distributed; drop it"):
         next(distributed.stream_generate(None, None, None, "prompt", mx.distributed.init(), draft_vocab=64))
-    stages = PipelineTarget.__new__(PipelineTarget)  # refused before any of it is used
-    with pytest.raises(DFlashError, match="^--tree-budget is not supported with --distributed pipeline; use "):
-        next(distributed.stream_generate(stages, None, None, "prompt", mx.distributed.init(), tree_budget=4))

@@ -158,8 +158,6 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
         validate.writable(plot_out, "--plot")
     if distributed is not None and draft_vocab is not None:
         raise DFlashError("--draft-vocab is not supported with --distributed; leave it out")
-    if distributed == "pipeline" and budgets:
-        raise DFlashError("--tree-budget is not supported with --distributed pipeline; use --distributed tensor")
     with session(distributed) as launch:
         main_run(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, block_sizes=sizes,
                  tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit,

@@ -106,6 +106,18 @@ class Target:
         """The embeddings the target's first layer takes (and the draft borrows)."""
         return self.stack.embed(tokens)
 
+    first_layer = 0  # the index of ``layers[0]`` in the model (a pipeline stage: its start)
+
+    def stage_input(self, h: mx.array) -> mx.array:
+        """What this process's first layer takes, given the embeddings (a pipeline
+        stage: the hidden state the stage before it hands on)."""
+        return h
+
+    def stage_output(self, h: mx.array, wanted: dict, layer_ids: list[int]) -> tuple[mx.array, mx.array]:
+        """(the last layer's hidden state, the features at ``layer_ids``) after
+        this process's layers left ``h`` and ``wanted`` (layer index -> output)."""
+        return h, mx.concatenate([wanted[i] for i in layer_ids], axis=-1)
+
     def make_cache(self) -> list:
         """The model's own cache list, each entry as its layer kind runs on it
         (a rotating cache of a sliding layer becomes a plain one; a cache that
@@ -137,12 +149,13 @@ class Target:
         wanted = {i: None for i in layer_ids}
         records = [None] * self.num_layers
         layers = self.stack.layer_calls(self.layers, tokens, h)
+        h = self.stage_input(h)
         with self.verify_matmuls() if record else contextlib.nullcontext():
             for i, (layer, kind, c) in enumerate(zip(layers, self.kinds, cache)):
                 h, records[i] = kind(layer, h, masks[kind.name], c, record)
-                if i in wanted:
-                    wanted[i] = h
-        features = mx.concatenate([wanted[i] for i in layer_ids], axis=-1)
+                if self.first_layer + i in wanted:
+                    wanted[self.first_layer + i] = h
+        h, features = self.stage_output(h, wanted, layer_ids)
         return Forward(self.inner.norm(h), features, records if record else None)
 
     def embed_rows(self, tokens: mx.array) -> mx.array:

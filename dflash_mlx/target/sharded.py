@@ -18,14 +18,11 @@ elsewhere: exact) gives every rank both, and every rank computes the same
 logits with its own copy of the head.
 """
 
-import contextlib
-from typing import Optional
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis
 
-from .adapter import Forward, Target
+from .adapter import Target
 
 
 class TensorParallelTarget(Target):
@@ -52,44 +49,36 @@ def sharded_target(model: nn.Module, group: mx.distributed.Group) -> Target:
 
 class PipelineTarget(Target):
     """A target split into pipeline stages by mlx-lm's ``pipeline(group)``:
-    this rank holds layers ``start`` .. ``start + len(layers) - 1``."""
+    this rank holds layers ``first_layer`` .. ``first_layer + len(layers) - 1``,
+    and every pass over them (the chain's, the tree's) starts with
+    ``stage_input`` and ends with ``stage_output``."""
 
     def __init__(self, model: nn.Module, group: mx.distributed.Group):
         super().__init__(model)  # self.layers, kinds and caches: this rank's stage only
         self.group = group
         self.rank, self.size = self.inner.pipeline_rank, self.inner.pipeline_size
-        self.start = self.inner.start_idx
+        self.first_layer = self.inner.start_idx
 
     @property
     def num_layers(self) -> int:
         return self.args.num_hidden_layers
 
-    def forward(self, tokens: mx.array, cache: Optional[list], layer_ids: list[int], record: bool = False) -> Forward:
-        """``Target.forward`` over this rank's stage, then one collective that
-        hands every rank the features at ``layer_ids`` and the final hidden state."""
-        cache = cache if cache is not None else [None] * len(self.layers)
-        h = self.embed(tokens)
-        masks = {}
-        for kind, c in zip(self.kinds, cache):
-            if kind.name not in masks:
-                masks[kind.name] = kind.mask(h, c)
+    def stage_input(self, h: mx.array) -> mx.array:
+        """The hidden state the stage before this one (the rank after it) hands on."""
         if self.rank < self.size - 1:
             h = mx.distributed.recv_like(h, self.rank + 1, group=self.group)
-        wanted = {i: None for i in layer_ids}
-        records = [None] * len(self.layers)
-        with self.verify_matmuls() if record else contextlib.nullcontext():
-            for i, (layer, kind, c) in enumerate(zip(self.layers, self.kinds, cache)):
-                h, records[i] = kind(layer, h, masks[kind.name], c, record)
-                if self.start + i in wanted:
-                    wanted[self.start + i] = h
+        return h
+
+    def stage_output(self, h: mx.array, wanted: dict, layer_ids: list[int]) -> tuple[mx.array, mx.array]:
+        """Hand ``h`` on, then one collective that gives every rank the features
+        at ``layer_ids`` (each stage's own, zeros elsewhere) and the final hidden state."""
         if self.rank != 0:
             h = mx.depends(mx.zeros_like(h), mx.distributed.send(h, self.rank - 1, group=self.group))
         zeros = mx.zeros_like(h)
-        parts = [zeros if wanted[i] is None else wanted[i] for i in layer_ids] + [h]
+        parts = [zeros if wanted.get(i) is None else wanted[i] for i in layer_ids] + [h]
         gathered = mx.distributed.all_sum(mx.concatenate(parts, axis=-1), group=self.group)
         # queued now, so that every rank runs its passes' sends, receives and sums in
         # program order (ranks hold different graphs, which MLX might otherwise order differently)
         mx.async_eval(gathered)
         width = h.shape[-1]
-        features, h = gathered[..., : -width], gathered[..., -width:]
-        return Forward(self.inner.norm(h), features, records if record else None)
+        return gathered[..., -width:], gathered[..., : -width]

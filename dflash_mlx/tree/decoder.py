@@ -69,6 +69,7 @@ def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) 
     layers = target.stack.layer_calls(
         [positioned(layer, positions) if isinstance(kind, Attention) else layer
          for layer, kind in zip(target.layers, target.kinds)], tokens, h)
+    h = target.stage_input(h)
     cache = list(cache) + [None] * (target.num_layers - len(cache))  # layers reading another's K/V own none
     with target.verify_matmuls():
         for i, (layer, kind, c) in enumerate(zip(layers, target.kinds, cache)):
@@ -76,9 +77,9 @@ def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) 
                 h, _ = kind(layer, h, masks[kind.name], c, False)
             else:
                 h, records[i] = gated_delta.tree_layer(layer, h, plan, c)
-            if i in layer_ids:
-                wanted[i] = h
-    features = mx.concatenate([wanted[i] for i in layer_ids], axis=-1)
+            if target.first_layer + i in layer_ids:
+                wanted[target.first_layer + i] = h
+    h, features = target.stage_output(h, wanted, layer_ids)
     return Forward(target.inner.norm(h), features, records)
 
 
