@@ -17,7 +17,9 @@ reached position i (starting from a conservative prior), and the times come
 from the pair's measured cost curve (``cost_curve.py``) at the current
 context length (attention makes every pass dearer as the context grows). b = 1
 is a plain target step with no draft pass (its price includes injecting its
-position into the draft's context when the draft next runs); while it wins,
+position into the draft's context when the draft next runs), and a draft pass
+pays first for the prompt positions the draft has not been handed yet (a long
+prompt's last chunk, injected with the first draft pass); while b = 1 wins,
 the best b > 1 is tried now and then instead, so acceptance is measured again
 and speculation comes back when the text turns predictable. A probe costs
 what it takes beyond the plain steps that would have made its expected tokens;
@@ -39,15 +41,18 @@ PRICE_STEP = 64  # costs are read again each time the context crosses a multiple
 
 
 class BlockPolicy(Protocol):
-    def choose(self, context: int = 0) -> int:
+    def choose(self, context: int = 0, owed: int = 0) -> int:
         """The block size of the next cycle (1: no draft, a plain target step),
-        with ``context`` tokens in the target's cache."""
+        with ``context`` tokens in the target's cache and ``owed`` prompt
+        positions the next draft pass must inject first."""
 
     def update(self, block_size: int, accepted: int) -> None:
         """The outcome of the cycle just verified at ``block_size``."""
 
 
 class Costs(Protocol):
+    inject_s: float  # seconds to inject one position into the draft's context, in a batch
+
     def cycle_seconds(self, b: int, context: Optional[int] = None) -> float:
         """Seconds of one cycle at block b with ``context`` tokens cached (the
         draft pass included when b > 1)."""
@@ -67,7 +72,7 @@ class FixedBlock:
     def __init__(self, block_size: int):
         self.block_size = block_size
 
-    def choose(self, context: int = 0) -> int:
+    def choose(self, context: int = 0, owed: int = 0) -> int:
         return self.block_size
 
     def update(self, block_size: int, accepted: int) -> None:
@@ -91,12 +96,17 @@ class AdaptiveBlock:
         self.acceptance = [prior] * (max_block - 1)  # c_1 .. c_{max_block-1}
         self.plain_steps = 0  # cycles at b = 1 since speculation last ran
         self.context = 0  # tokens in the target's cache at the last choice
+        self.owed = 0  # prompt positions the next draft pass injects first, at the last choice
         self._prices: tuple = (None, [])  # (what they were read for, seconds at b = 1 .. max_block)
 
     def cycle_seconds(self, b: int) -> float:
         """The curve's price of a cycle at b at the current context (rounded
-        down to a multiple of ``PRICE_STEP``), scaled by the drift the watch has seen."""
-        return self._seconds()[b - 1]
+        down to a multiple of ``PRICE_STEP``), scaled by the drift the watch
+        has seen; a draft pass first pays the prompt positions still owed."""
+        return self._seconds()[b - 1] + (self._owed_seconds() if b > 1 else 0.0)
+
+    def _owed_seconds(self) -> float:
+        return self.owed * getattr(self.costs, "inject_s", 0.0)
 
     def _seconds(self) -> list[float]:
         context = self.context // PRICE_STEP * PRICE_STEP
@@ -119,12 +129,12 @@ class AdaptiveBlock:
 
     def rates(self) -> list[float]:
         """tokens_per_second at b = 1 .. max_block, in one pass."""
-        seconds, rates, total, reach = self._seconds(), [], 1.0, 1.0
+        seconds, owed, rates, total, reach = self._seconds(), self._owed_seconds(), [], 1.0, 1.0
         for b in range(1, self.max_block + 1):
             if b > 1:
                 reach *= self.acceptance[b - 2]
                 total += reach
-            rates.append(total / seconds[b - 1])
+            rates.append(total / (seconds[b - 1] + (owed if b > 1 else 0.0)))
         return rates
 
     def best(self, low: int = 1, rates: Optional[list[float]] = None) -> int:
@@ -141,8 +151,8 @@ class AdaptiveBlock:
         loss = self.cycle_seconds(probe) - self.expected_tokens(probe) * step
         return max(self.probe_every, math.ceil(loss / (self.probe_budget * step)))
 
-    def choose(self, context: int = 0) -> int:
-        self.context = context
+    def choose(self, context: int = 0, owed: int = 0) -> int:
+        self.context, self.owed = context, owed
         rates = self.rates()
         b = self.best(rates=rates)
         if b > 1 or self.max_block == 1:

@@ -206,6 +206,7 @@ class SpeculativeDecoder:
         self.drafted: Optional[mx.array] = None  # the proposal after y, already queued
         self.queued: Optional[mx.array] = None  # b = 1: the token after y, its step already queued
         self.unobserved: list[tuple[mx.array, mx.array]] = []  # plain steps' features and ids, not yet injected
+        self.owed = 0  # prompt rows handed to the proposer whose injection the next draft pass runs
         self.draft_logprobs: Optional[mx.array] = None  # q, when sampling
         self.draft_finite = mx.array(True)  # whether the queued draft's logits were finite
         self.keep_logprobs = False  # set True: ``logprobs`` carries the committed tokens' log-probabilities
@@ -257,10 +258,11 @@ class SpeculativeDecoder:
             self.proposer.skip(chunk[:skip])
         if skip < chunk.size:
             self.proposer.observe(features[:, skip:], chunk[skip:])
+        self.owed = chunk.size - skip  # an earlier chunk's rows are injected with this one's pass
 
     def _queue_draft(self) -> None:
         # start drafting the next block while the host streams this cycle's text
-        self.block_size = self.policy.choose(len(self.tokens))
+        self.block_size = self.policy.choose(len(self.tokens), self.owed)
         if self.kv:
             self.block_size = self.kv.block(len(self.tokens), self.block_size)
         if self.block_size == 1:  # speculation off: a plain target step, no draft pass
@@ -268,6 +270,7 @@ class SpeculativeDecoder:
             self.draft_finite = mx.array(True)
             return
         self.catch_up()
+        self.owed = 0
         self.drafted, self.draft_logprobs, self.draft_finite = propose_block(
             self.proposer, self.pending, self.block_size, self.sampler)
         mx.async_eval(self.drafted, self.draft_finite)

@@ -115,7 +115,7 @@ class ScriptedPolicy:
         self.blocks = list(blocks)
         self.outcomes = []
 
-    def choose(self, context=0):
+    def choose(self, context=0, owed=0):
         return self.blocks.pop(0)
 
     def update(self, block_size, accepted):

@@ -108,7 +108,7 @@ def test_plain_steps_are_injected_in_one_batch_before_the_next_draft_pass(target
     class Scripted:
         blocks = [1, 1, 1, 1, 4, 4]
 
-        def choose(self, context=0):
+        def choose(self, context=0, owed=0):
             return self.blocks.pop(0)
 
         def update(self, block_size, accepted):
@@ -181,6 +181,38 @@ def test_a_plain_step_is_priced_with_the_injection_of_its_position():
     bare = CostCurve((1, 2), (1.0, 1.9), (0.0, 0.1))  # b = 2 makes 1.6 tokens in 2.0 s
     assert AdaptiveBlock(bare, 2).choose() == 1
     assert AdaptiveBlock(CostCurve((1, 2), (1.0, 1.9), (0.0, 0.1), inject_s=0.3), 2).choose() == 2
+
+
+def test_a_draft_pass_pays_first_for_the_prompt_positions_it_owes():
+    curve = CostCurve((1, 4), (1.0, 1.3), (0.0, 0.2), inject_s=0.001)  # b = 4 pays at the prior
+    assert AdaptiveBlock(curve, 4).choose(owed=100) == 4  # a short prompt's injection: little
+    owing = AdaptiveBlock(curve, 4)
+    assert owing.choose(owed=4000) == 1  # a long prompt's: 4 s before the first block
+    assert owing.probe_interval(4) > AdaptiveBlock(curve, 4).probe_interval(4)
+
+
+def test_the_decoder_tells_the_policy_what_the_next_draft_pass_owes(target_dirs, draft_dir):
+    model, _ = mlx_lm_load(str(target_dirs["qwen3"]))
+    target, draft = Target(model), load_draft(str(draft_dir("qwen3", block_size=4)))
+
+    class Asked:
+        def __init__(self, blocks):
+            self.blocks, self.owed = blocks, []
+
+        def choose(self, context=0, owed=0):
+            self.owed.append(owed)
+            return self.blocks.pop(0)
+
+        def update(self, block_size, accepted):
+            pass
+
+    policy = Asked([1, 1, 4, 1, 4])
+    decoder = SpeculativeDecoder(target, proposer_for(draft, target), draft.config.target_layer_ids, policy,
+                                 prefill_step_size=8)
+    decoder.prefill(mx.array(PROMPT))
+    for _ in range(4):
+        decoder.cycle()
+    assert policy.owed == [4, 4, 4, 0, 0]  # the last chunk's rows (8, 8, 4): owed until a draft pass ran
 
 
 def test_probes_cost_at_most_their_budget_of_the_plain_steps():
