@@ -166,25 +166,21 @@ def train_draft(
         return result
 
 
-def parse_ints(text: str, option: str, count: int) -> list[int]:
-    """'2,16' -> [2, 16]: exactly ``count`` comma-separated integers."""
+def parse_ints(text: str, option: str, count: Optional[int] = None) -> list[int]:
+    """'2,16' -> [2, 16]; with ``count``, exactly that many integers."""
     try:
-        values = [int(t) for t in text.replace(" ", "").split(",")]
+        values = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        values = []
-    if len(values) != count:
-        raise DFlashError(f"{option} takes {count} comma-separated integers, got '{text}'")
+        values = None
+    if values is None or count not in (None, len(values)):
+        how_many = f"{count} " if count else ""
+        raise DFlashError(f"{option} takes {how_many}comma-separated integers, got '{text}'")
     return values
 
 
 def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:
     """'1,4,7' -> [1, 4, 7]; None or '' -> None (the published default)."""
-    if not text:
-        return None
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise DFlashError(f"--target-layer-ids must be comma-separated integers, got '{text}'") from None
+    return parse_ints(text, "--target-layer-ids") if text else None
 
 
 def run_cli(
