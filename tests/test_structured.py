@@ -22,6 +22,7 @@ from dflash_mlx.decoder import SpeculativeDecoder
 from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
 from dflash_mlx.structured import Constraint, constraint_for, grammar
 from test_loop import one_hot_logits
+from test_tree_loop import run
 from test_sampling import PROMPT as TINY_PROMPT
 from test_sampling import NoisyTargetProposer, chi2_pvalue, model, sample  # model: the spread 16-token target
 
@@ -130,13 +131,7 @@ def steered(model, tokenizer, ids, response_format, want, masks, n):
     target = Target(model)
     proposer = SteeredProposer(len(ids), want, masks, [0, 1, 2, 3, None], target.vocab_size)
     sampler = BlockSampler(SamplingParams(), constraint_for(response_format, tokenizer, target.vocab_size))
-    decoder = SpeculativeDecoder(target, proposer, [0], 5, sampler=sampler)
-    out, accepted = [decoder.prefill(mx.array(ids))], []
-    while len(out) < n:
-        cycle = decoder.cycle()
-        out += cycle.tokens
-        accepted.append(cycle.accepted)
-    return out, accepted
+    return run(SpeculativeDecoder(target, proposer, [0], 5, sampler=sampler), ids, n)
 
 
 def test_every_acceptance_length_under_a_grammar(llama):
