@@ -36,7 +36,7 @@ from typing import Optional, Protocol
 PRIOR_ACCEPTANCE = 0.6  # c_i before any outcome: tau 2.5 at b = 16, below what trained drafts reach
 RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycles count)
 PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
-PROBE_BUDGET = 0.02  # the most of the plain steps' time probes may cost beyond them
+PROBE_BUDGET = 0.05  # the most of the plain steps' time probes may cost beyond them
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
 
 
