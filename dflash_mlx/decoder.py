@@ -17,7 +17,7 @@ import mlx.core as mx
 from .block_policy import BlockPolicy, FixedBlock
 from .draft import DFlash2Draft, DFlashDraft, SubsetHead
 from .errors import DFlashError
-from .kv_quantization import KVQuantization, prefill_chunks
+from .kv_quantization import KVQuantization
 from .sampling import BlockSampler, SamplingParams
 from .target import Target
 
@@ -142,6 +142,15 @@ def propose_block(proposer: Proposer, y: mx.array, block_size: int, sampler: Blo
     return *sampler.draft(logits), sound_logits(logits)
 
 
+def prefill_chunks(begin: int, end: int, step: int) -> list[tuple[int, int]]:
+    """The (start, stop) chunks of prompt positions begin..end as mlx-lm's
+    ``generate_step`` feeds them: all but the last position ``step`` at a
+    time, then the last one alone."""
+    stop = end - 1 if end - begin > 1 else end
+    chunks = [(s, min(s + step, stop)) for s in range(begin, stop, step)]
+    return chunks + ([(stop, end)] if stop < end else [])
+
+
 NON_FINITE = ("the draft produced non-finite logits (NaN or inf), so generation stopped; "
               "run it in float32 (--draft-dtype float32, or load_draft(..., dtype='float32'))")
 
@@ -224,15 +233,24 @@ class SpeculativeDecoder:
 
     def prefill(self, prompt: mx.array) -> int:
         """Feed the prompt past the ``tokens`` the cache already holds (its
-        prefix) in chunks; return the first generated token."""
-        for start, stop in prefill_chunks(len(self.tokens), prompt.size, self.prefill_step_size, bool(self.kv)):
+        prefix) in mlx-lm's chunks (``prefill_chunks``); return the first
+        generated token.
+
+        As in mlx-lm's prefill, a chunk before the last token evaluates only
+        what the caches hold, so the layers past the last cached projection
+        (the last layer's attention and MLP, the final norm) never run on it:
+        only the last token's pass makes hidden states."""
+        owed = []  # rows handed to the proposer, by chunk, whose injection has not been evaluated
+        for start, stop in prefill_chunks(len(self.tokens), prompt.size, self.prefill_step_size):
             chunk = prompt[start:stop]
             self._quantize_kv()
             out = self.target.forward(chunk[None], self.cache, self.layer_ids)
-            earlier = [c.state for c in getattr(self.proposer, "cache", None) or []]  # the chunks before
-            self._observe_prompt(out.features, chunk, start, prompt.size)
-            mx.eval([c.state for c in self.cache], out.hidden, earlier)
+            last = stop == prompt.size
+            earlier = [] if last else [c.state for c in getattr(self.proposer, "cache", None) or []]
+            owed = (owed if last else []) + [self._observe_prompt(out.features, chunk, start, prompt.size)]
+            mx.eval([c.state for c in self.cache], earlier)
             mx.clear_cache()
+        self.owed = sum(owed)
         self.tokens.extend(prompt[len(self.tokens) :].tolist())
         self._remember(prompt.tolist())
         logits = self.target.logits(out.hidden[:, -1])
@@ -244,13 +262,14 @@ class SpeculativeDecoder:
         self._queue_draft()
         return first
 
-    def _observe_prompt(self, features: mx.array, chunk: mx.array, start: int, end: int) -> None:
+    def _observe_prompt(self, features: mx.array, chunk: mx.array, start: int, end: int) -> int:
         """Hand the proposer a prompt chunk's rows (positions start..): only
         those its next block can still see at the prompt's ``end`` (a draft
-        whose layers all attend through sliding windows), the others skipped.
-        The injection is left lazy: the last chunk's runs with the first draft
-        pass, not before the first token; an earlier chunk's with the next
-        chunk's target pass, so at most two chunks' features are held."""
+        whose layers all attend through sliding windows), the others skipped;
+        return how many it was handed. The injection is left lazy: a chunk's
+        runs with the next chunk's target pass, and the last chunk's and the
+        last token's with the first draft pass, not before the first token;
+        so at most two chunks' features are held."""
         visible = getattr(self.proposer, "visible_rows", None)
         rows = visible() if visible else None
         skip = 0 if rows is None else min(max(end - rows - start, 0), chunk.size)
@@ -258,7 +277,7 @@ class SpeculativeDecoder:
             self.proposer.skip(chunk[:skip])
         if skip < chunk.size:
             self.proposer.observe(features[:, skip:], chunk[skip:])
-        self.owed = chunk.size - skip  # an earlier chunk's rows are injected with this one's pass
+        return chunk.size - skip
 
     def _queue_draft(self) -> None:
         # start drafting the next block while the host streams this cycle's text

@@ -10,7 +10,7 @@ exactly when s > 0 and s >= start, whatever the passes before it were, and
 the decoder converts at that point, before the pass. Two passes must not
 straddle the start, since mlx-lm's would have seen the switch inside them: a
 verified block is cut to end at the start (``block``), and the prompt's last
-token is prefilled alone, as mlx-lm prefills it (``prefill_chunks``).
+token is prefilled alone, as mlx-lm prefills it (``decoder.prefill_chunks``).
 
 Recurrent layers keep their ``ArraysCache``; sliding-window layers keep a plain
 cache (mlx-lm cannot quantize its rotating one). ``QuantizedKVCache.trim`` only
@@ -56,12 +56,3 @@ class KVQuantization:
         """The block to verify from ``position``: ``block_size``, cut to end at
         the start when it would run past it."""
         return self.start - position if position < self.start < position + block_size else block_size
-
-
-def prefill_chunks(begin: int, end: int, step: int, last_alone: bool) -> list[tuple[int, int]]:
-    """The (start, stop) chunks of prompt positions begin..end, ``step`` at a
-    time; with ``last_alone`` the last position is a chunk of its own (mlx-lm's
-    prefill: all but the last token in chunks, then the last one)."""
-    stop = end - 1 if last_alone and end - begin > 1 else end
-    chunks = [(s, min(s + step, stop)) for s in range(begin, stop, step)]
-    return chunks + ([(stop, end)] if stop < end else [])

@@ -16,7 +16,7 @@ from dflash_mlx import Target, generate, load_draft, stream_generate
 from dflash_mlx.cli import app
 from dflash_mlx.decoder import SpeculativeDecoder
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.kv_quantization import KVQuantization, prefill_chunks
+from dflash_mlx.kv_quantization import KVQuantization
 from dflash_mlx.server.engine import Engine
 from dflash_mlx.server.prefix_cache import PrefixCache
 from dflash_mlx.tree import TreeDecoder
@@ -131,11 +131,7 @@ def test_bad_kv_options_are_one_line_errors(pairs):
             generate(model, draft, tokenizer, PROMPT, max_tokens=2, **options)
 
 
-def test_prefill_chunks_feed_the_last_token_alone_as_mlx_lm_does():
-    assert prefill_chunks(0, 10, 4, False) == [(0, 4), (4, 8), (8, 10)]
-    assert prefill_chunks(0, 10, 4, True) == [(0, 4), (4, 8), (8, 9), (9, 10)]
-    assert prefill_chunks(0, 9, 4, True) == [(0, 4), (4, 8), (8, 9)]
-    assert prefill_chunks(3, 4, 4, True) == [(3, 4)]
+def test_a_verified_block_ends_at_the_quantization_start():
     kv = KVQuantization(4, 32, start=10)
     assert [kv.block(p, 4) for p in (5, 6, 7, 10)] == [4, 4, 3, 4]
 

@@ -3,6 +3,8 @@ step and defers the draft's share to one batch; the prefill hands a sliding
 draft only the rows its windows can still see; the adaptive policy prices the
 context, and probes within their budget. Work is counted, never timed."""
 
+import io
+
 import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_lm_load
@@ -11,7 +13,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import Target, generate, load_draft
 from dflash_mlx.block_policy import PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
 from dflash_mlx.cost_curve import CostCurve
-from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder, proposer_for
+from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder, prefill_chunks, proposer_for
 from test_loop import greedy_reference
 
 PROMPT = [3, 17, 5, 9, 22, 41, 7, 13, 2, 30, 11, 8, 19, 27, 4, 16, 6, 25, 14, 33]
@@ -82,8 +84,15 @@ def test_a_plain_step_runs_the_targets_layers_as_mlx_lms_step_does(target_dirs, 
     their_steps = [log[1:] for log in their_logs]  # after mlx-lm's prompt pass
     assert all(t == [1] * len(t) for t in their_steps) and len(steps[0]) <= len(their_steps[0])
     assert proposer.passes == 0
-    assert proposer.injected == [len(PROMPT), len(steps[0])]  # the prompt, then one batch of the steps
+    assert proposer.injected == [len(PROMPT) - 1, 1, len(steps[0])]  # the prompt, then one batch of the steps
     assert all(c.offset == len(PROMPT) + len(steps[0]) for c in proposer.cache)
+
+
+def test_prefill_chunks_feed_the_last_token_alone_as_mlx_lm_does():
+    assert prefill_chunks(0, 10, 4) == [(0, 4), (4, 8), (8, 9), (9, 10)]
+    assert prefill_chunks(0, 9, 4) == [(0, 4), (4, 8), (8, 9)]
+    assert prefill_chunks(3, 4, 4) == [(3, 4)]
+    assert prefill_chunks(0, 1, 4) == [(0, 1)]
 
 
 def test_the_prefill_feeds_each_layer_every_prompt_row_once_in_mlx_lms_chunks(target_dirs, draft_dir):
@@ -96,9 +105,35 @@ def test_the_prefill_feeds_each_layer_every_prompt_row_once_in_mlx_lms_chunks(ta
     proposer = CountingProposer(draft, target)
     SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, 4, prefill_step_size=step).prefill(
         mx.array(PROMPT))
-    assert all(log == [8, 8, 4] for log in our_logs)  # mlx-lm: [8, 8, 3] then the last token alone
-    assert all(sum(o) == sum(t[:4]) == len(PROMPT) for o, t in zip(our_logs, their_logs))
-    assert proposer.passes == 1 and proposer.injected == [8, 8, 4]  # the first block queued after the token
+    assert all(log == [8, 8, 3, 1] for log in our_logs)  # mlx-lm's chunks, the last token alone
+    assert all(o == t[:4] for o, t in zip(our_logs, their_logs))
+    assert proposer.passes == 1 and proposer.injected == [8, 8, 3, 1]  # the first block queued after the token
+
+
+def evaluated(array) -> bool:
+    """Whether MLX has computed ``array``: an evaluated array's graph is itself alone."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, array)
+    return "->" not in dot.getvalue()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_the_prefill_never_runs_the_last_layer_on_a_chunk_before_the_last_token(target_dirs, draft_dir, family):
+    """As mlx-lm's prefill evaluates only the caches, the layers past the last
+    cached projection never run on the earlier chunks; only the last token's
+    pass makes hidden states."""
+    draft = load_draft(str(draft_dir(family, block_size=4)))
+    model, _ = mlx_lm_load(str(target_dirs[family]))
+    target = Target(model)
+    assert max(draft.config.target_layer_ids) < target.num_layers - 1
+    outputs = []
+    last = target.layers[-1]
+    target.layers = target.layers[:-1] + [lambda *args: outputs.append(last(*args)) or outputs[-1]]
+    decoder = SpeculativeDecoder(target, proposer_for(draft, target), draft.config.target_layer_ids,
+                                 FixedBlock(4), prefill_step_size=8)
+    decoder.prefill(mx.array(PROMPT))
+    assert [o.shape[1] for o in outputs] == [8, 8, 3, 1]
+    assert [evaluated(o) for o in outputs] == [False, False, False, True]
 
 
 def test_plain_steps_are_injected_in_one_batch_before_the_next_draft_pass(target_dirs, draft_dir):
@@ -119,7 +154,7 @@ def test_plain_steps_are_injected_in_one_batch_before_the_next_draft_pass(target
     decoder.prefill(mx.array(PROMPT))
     for _ in range(4):
         decoder.cycle()
-    assert proposer.injected == [len(PROMPT), 4] and proposer.passes == 1  # batched right before the pass
+    assert proposer.injected == [len(PROMPT) - 1, 1, 4] and proposer.passes == 1  # batched right before the pass
     assert all(c.offset == len(PROMPT) + 4 for c in proposer.cache)
 
 
@@ -152,7 +187,7 @@ def test_a_full_attention_draft_gets_every_prompt_row(target_dirs, draft_dir):
     proposer = CountingProposer(draft, target)
     SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, 4, prefill_step_size=6).prefill(
         mx.array(PROMPT))
-    assert proposer.injected == [6, 6, 6, 2]
+    assert proposer.injected == [6, 6, 6, 1, 1]
 
 
 # a verify pass costs 1 + b/10 plus 0.001 per context token; the draft pass
@@ -212,7 +247,7 @@ def test_the_decoder_tells_the_policy_what_the_next_draft_pass_owes(target_dirs,
     decoder.prefill(mx.array(PROMPT))
     for _ in range(4):
         decoder.cycle()
-    assert policy.owed == [4, 4, 4, 0, 0]  # the last chunk's rows (8, 8, 4): owed until a draft pass ran
+    assert policy.owed == [4, 4, 4, 0, 0]  # the last chunk's and token's rows (8, 8, 3, 1): owed until a draft pass ran
 
 
 def test_probes_cost_at_most_their_budget_of_the_plain_steps():
