@@ -256,7 +256,7 @@ class SpeculativeDecoder:
         logits = self.target.logits(out.hidden[:, -1])
         logits = self.sampler.process(logits, mx.array(self.recent, dtype=mx.int32))
         self._keep(logits)
-        self.pending = self.sampler.first_token(logits)
+        self.pending = self.sampler.next_token(logits)
         self.sampler.commit(self.pending)
         first = self.pending.item()
         self._queue_draft()
@@ -328,9 +328,10 @@ class SpeculativeDecoder:
         self._quantize_kv()
         out = self.target.forward(y[None], self.cache, self.layer_ids)
         self.unobserved.append((out.features, y))
-        history = mx.concatenate([mx.array(self.recent, dtype=mx.int32), y])
-        logits = self.sampler.process(self.target.logits(out.hidden[:, -1]), history)
-        _, self.queued = self.sampler.verify(logits, *self.no_draft)
+        logits = self.target.logits(out.hidden[:, -1])
+        if self.sampler.sees_history:
+            logits = self.sampler.process(logits, mx.concatenate([mx.array(self.recent, dtype=mx.int32), y]))
+        self.queued = self.sampler.next_token(logits)
         self.sampler.commit(self.queued)
         self.queued_logits = logits
         mx.async_eval(self.queued)

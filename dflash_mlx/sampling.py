@@ -93,6 +93,11 @@ class BlockSampler:
         drafts (None when greedy)."""
         return None if self.greedy else self._next_key()
 
+    @property
+    def sees_history(self) -> bool:
+        """Whether ``process`` reads the history (logits processors or a constraint)."""
+        return bool(self.processors) or self.constraint is not None
+
     def process(self, logits: mx.array, history: mx.array, drafted: Optional[int] = None) -> mx.array:
         """Apply the logits processors to rows [n, V], where row i follows
         ``history[: len(history) - n + 1 + i]``, just as decoding one token at a
@@ -119,8 +124,9 @@ class BlockSampler:
         if self.constraint is not None:
             self.constraint.commit(tokens)
 
-    def first_token(self, logits: mx.array) -> mx.array:
-        """The token after the prompt from logits [1, V]: int32 [1]."""
+    def next_token(self, logits: mx.array) -> mx.array:
+        """The target's token after each row of logits [n, V] (a prompt, a plain
+        step): int32 [n], its argmax or a draw from its warped distribution."""
         if self.greedy:
             return mx.argmax(logits, axis=-1).astype(mx.int32)
         return mx.random.categorical(warp(logits, self.params), key=self._next_key()).astype(mx.int32)

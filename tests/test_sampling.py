@@ -147,13 +147,14 @@ class SampleMatchSampler(BlockSampler):
 
 
 def sample(model, params, make_sampler=BlockSampler, proposer=HalfMassProposer, runs=RUNS,
-           positions=POSITIONS, make_target=Target):
-    """(tokens [runs, positions], accepted per cycle) from the real loop."""
+           positions=POSITIONS, make_target=Target, block=lambda: BLOCK):
+    """(tokens [runs, positions], accepted per cycle) from the real loop, each
+    run's block (or policy) made by ``block()``."""
     target, memo = make_target(model), {}
     tokens, accepted = [], []
     for seed in range(runs):
         sampler = make_sampler(replace(params, seed=seed))
-        decoder = SpeculativeDecoder(target, proposer(model, params, memo), [0], BLOCK, sampler=sampler)
+        decoder = SpeculativeDecoder(target, proposer(model, params, memo), [0], block(), sampler=sampler)
         out = [decoder.prefill(mx.array(PROMPT))]
         while len(out) < positions:
             cycle = decoder.cycle()
@@ -202,6 +203,29 @@ def test_samples_follow_the_targets_distribution(model, name):
     for position, p in pvalues(tokens, exact_joint(model, params)).items():
         assert p > ALPHA, f"{name}: {position} deviates from the target (p = {p:.2e})"
     assert (accepted >= 1).mean() > 0.2, "drafts must often be accepted for this to bite"
+
+
+class PlainThenBlock:
+    """Two plain target steps (x2, x3), then blocks of ``BLOCK`` (x4 on)."""
+
+    def __init__(self):
+        self.blocks = [1, 1]  # the first is asked for after the prefill
+
+    def choose(self, context=0, owed=0):
+        return self.blocks.pop(0) if self.blocks else BLOCK
+
+    def update(self, block_size, accepted):
+        pass
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_plain_steps_follow_the_targets_distribution(model, name):
+    """A plain step (b = 1, the adaptive block's fallback) draws the target's
+    own token from its warped distribution, and blocks after plain steps stay lossless."""
+    params = CONFIGS[name]
+    tokens, _ = sample(model, params, block=PlainThenBlock)
+    for position, p in pvalues(tokens, exact_joint(model, params)).items():
+        assert p > ALPHA, f"{name}: {position} deviates from the target (p = {p:.2e})"
 
 
 @pytest.mark.parametrize("rule", list(WRONG_RULES))

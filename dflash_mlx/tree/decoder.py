@@ -148,7 +148,7 @@ class TreeDecoder(SpeculativeDecoder):
         """The target's token at every node, from processed logits [N, V]: its
         argmax, or one independent draw per node from its warped distribution
         (the sampler's draw of a token from target logits, row by row)."""
-        return self.sampler.first_token(logits).tolist()
+        return self.sampler.next_token(logits).tolist()
 
     def cycle(self) -> Cycle:
         """One draft-tree + verify + walk + commit cycle; returns the committed tokens."""
