@@ -171,6 +171,31 @@ class ContextCache:
 
 
 @dataclass
+class Probe:
+    """A block drafted beside a plain step and judged against the target's own
+    next tokens instead of verified (``AdaptiveBlock.probe``)."""
+
+    drafted: mx.array  # [b-1] the drafts after the token they were drafted from
+    q: Optional[mx.array]  # [b-1, V] the log-probabilities they were drawn from (None: greedy)
+    finite: mx.array  # whether the draft's logits were sound
+    hits: list = field(default_factory=list)  # per position judged: the probability it would be accepted
+
+    def judge(self, token: int, logits: mx.array, sampler: BlockSampler) -> Optional[list[float]]:
+        """Judge the next draft position against the target's own ``token``,
+        chosen from processed ``logits`` [1, V]. Once the drafts part from the
+        tokens or all are judged: the hits (none for an unsound draft), else None."""
+        i = len(self.hits)
+        drafted = self.drafted[i].item()
+        self.hits.append(sampler.acceptance(logits, token, drafted, None if self.q is None else self.q[i]))
+        if token == drafted and len(self.hits) < self.drafted.size:
+            return None
+        if not self.finite.item():
+            return [0.0] * len(self.hits)
+        mx.eval([h for h in self.hits if isinstance(h, mx.array)])
+        return [float(h) for h in self.hits]
+
+
+@dataclass
 class Cycle:
     tokens: list[int]  # committed this cycle: accepted drafts, then the target's token
     accepted: int  # how many drafted tokens were accepted
@@ -215,12 +240,12 @@ class SpeculativeDecoder:
         self.drafted: Optional[mx.array] = None  # the proposal after y, already queued
         self.queued: Optional[mx.array] = None  # b = 1: the token after y, its step already queued
         self.unobserved: list[tuple[mx.array, mx.array]] = []  # plain steps' features and ids, not yet injected
-        self.owed = 0  # prompt rows handed to the proposer whose injection the next draft pass runs
         self.draft_logprobs: Optional[mx.array] = None  # q, when sampling
         self.draft_finite = mx.array(True)  # whether the queued draft's logits were finite
         self.keep_logprobs = False  # set True: ``logprobs`` carries the committed tokens' log-probabilities
         self.logprobs: Optional[mx.array] = None  # [n, V] at the last prefill's or cycle's n tokens (lazy)
         self.queued_logits: Optional[mx.array] = None  # b = 1: the processed logits of ``queued``
+        self.probe: Optional[Probe] = None  # drafted beside a plain step, judged against the next tokens
 
     def _keep(self, logits: mx.array) -> None:
         """With ``keep_logprobs``: the target's log-probabilities of processed
@@ -239,18 +264,17 @@ class SpeculativeDecoder:
         As in mlx-lm's prefill, a chunk before the last token evaluates only
         what the caches hold, so the layers past the last cached projection
         (the last layer's attention and MLP, the final norm) never run on it:
-        only the last token's pass makes hidden states."""
-        owed = []  # rows handed to the proposer, by chunk, whose injection has not been evaluated
+        only the last token's pass makes hidden states. Each chunk's rows are
+        injected into the draft's context with its own pass (about 2% of the
+        prefill on the demo pair), so no features are held past their chunk and
+        the first draft pass owes nothing."""
         for start, stop in prefill_chunks(len(self.tokens), prompt.size, self.prefill_step_size):
             chunk = prompt[start:stop]
             self._quantize_kv()
             out = self.target.forward(chunk[None], self.cache, self.layer_ids)
-            last = stop == prompt.size
-            earlier = [] if last else [c.state for c in getattr(self.proposer, "cache", None) or []]
-            owed = (owed if last else []) + [self._observe_prompt(out.features, chunk, start, prompt.size)]
-            mx.eval([c.state for c in self.cache], earlier)
+            self._observe_prompt(out.features, chunk, start, prompt.size)
+            mx.eval([c.state for c in self.cache], [c.state for c in getattr(self.proposer, "cache", None) or []])
             mx.clear_cache()
-        self.owed = sum(owed)
         self.tokens.extend(prompt[len(self.tokens) :].tolist())
         self._remember(prompt.tolist())
         logits = self.target.logits(out.hidden[:, -1])
@@ -262,14 +286,10 @@ class SpeculativeDecoder:
         self._queue_draft()
         return first
 
-    def _observe_prompt(self, features: mx.array, chunk: mx.array, start: int, end: int) -> int:
+    def _observe_prompt(self, features: mx.array, chunk: mx.array, start: int, end: int) -> None:
         """Hand the proposer a prompt chunk's rows (positions start..): only
         those its next block can still see at the prompt's ``end`` (a draft
-        whose layers all attend through sliding windows), the others skipped;
-        return how many it was handed. The injection is left lazy: a chunk's
-        runs with the next chunk's target pass, and the last chunk's and the
-        last token's with the first draft pass, not before the first token;
-        so at most two chunks' features are held."""
+        whose layers all attend through sliding windows), the others skipped."""
         visible = getattr(self.proposer, "visible_rows", None)
         rows = visible() if visible else None
         skip = 0 if rows is None else min(max(end - rows - start, 0), chunk.size)
@@ -277,22 +297,41 @@ class SpeculativeDecoder:
             self.proposer.skip(chunk[:skip])
         if skip < chunk.size:
             self.proposer.observe(features[:, skip:], chunk[skip:])
-        return chunk.size - skip
 
     def _queue_draft(self) -> None:
         # start drafting the next block while the host streams this cycle's text
-        self.block_size = self.policy.choose(len(self.tokens), self.owed)
+        self.block_size = self.policy.choose(len(self.tokens))
         if self.kv:
             self.block_size = self.kv.block(len(self.tokens), self.block_size)
         if self.block_size == 1:  # speculation off: a plain target step, no draft pass
             self.drafted, self.draft_logprobs = self.no_draft
             self.draft_finite = mx.array(True)
+            self._start_probe()
             return
+        self.probe = None  # speculating again: verification measures acceptance
         self.catch_up()
-        self.owed = 0
         self.drafted, self.draft_logprobs, self.draft_finite = propose_block(
             self.proposer, self.pending, self.block_size, self.sampler)
         mx.async_eval(self.drafted, self.draft_finite)
+
+    def _start_probe(self) -> None:
+        """Draft the block of a probe the policy has due (one at a time)."""
+        due = getattr(self.policy, "probe", None)
+        if due is None or self.probe is not None:
+            return
+        b = due()
+        if b < 2:
+            return
+        self.catch_up()
+        self.probe = Probe(*propose_block(self.proposer, self.pending, b, self.sampler))
+        mx.async_eval(self.probe.drafted, self.probe.finite)
+
+    def _judge_probe(self, probe: Probe, token: int, logits: mx.array) -> None:
+        hits = probe.judge(token, logits, self.sampler)
+        if hits is not None:
+            self.policy.probed(hits)
+            if self.probe is probe:
+                self.probe = None
 
     def _queue_next(self) -> None:
         # the next cycle's work, started while the host streams this cycle's text
@@ -345,10 +384,14 @@ class SpeculativeDecoder:
             if self.queued is None:  # the first cycle after prefill
                 self._queue_plain_step()
             self.pending, self.queued = self.queued, None
-            self._keep(self.queued_logits)
+            logits, probe = self.queued_logits, self.probe  # a probe drafted before this token
+            self._keep(logits)
             self.policy.update(1, 0)
             self._queue_next()
-            return Cycle([self.pending.item()], 0)
+            token = self.pending.item()
+            if probe is not None:
+                self._judge_probe(probe, token, logits)
+            return Cycle([token], 0)
         y, drafted = self.pending, self.drafted
         block = mx.concatenate([y, drafted])
         self._quantize_kv()

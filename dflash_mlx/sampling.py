@@ -152,6 +152,15 @@ class BlockSampler:
         q = warp(logits, self.params)
         return mx.random.categorical(q, key=self._next_key()).astype(mx.int32), q
 
+    def acceptance(self, logits: mx.array, token: int, drafted: int, q: Optional[mx.array]):
+        """The probability that verifying accepts draft ``drafted`` (drawn from
+        warped log-probabilities ``q`` [V]) where the target's processed logits
+        are ``logits`` [1, V] and its own token was ``token``: 1.0 or 0.0 when
+        greedy, else min(1, p/q) (a lazy scalar)."""
+        if self.greedy:
+            return float(token == drafted)
+        return mx.minimum(mx.exp(warp(logits, self.params)[0, drafted] - q[drafted]), 1.0)
+
     def verify(self, logits: mx.array, drafted: mx.array, q: Optional[mx.array]):
         """(accepted, next_token) for target logits [b, V] over [y, d_1..d_{b-1}]."""
         if self.greedy:

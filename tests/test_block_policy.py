@@ -16,7 +16,7 @@ from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generat
 from dflash_mlx.block_policy import PROBE_EVERY, AdaptiveBlock, FixedBlock
 from dflash_mlx.cost_curve import CostCurve
 from dflash_mlx.decoder import SpeculativeDecoder
-from dflash_mlx.sampling import BlockSampler, SamplingParams
+from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
 import test_sampling as sampled
 from test_loop import assert_same_or_near_tie, greedy_reference
 
@@ -34,6 +34,9 @@ class Linear:
 
     def cycle_seconds(self, b, context=None):
         return self.a + self.s * (b - 1) + (self.d if b > 1 else 0.0)
+
+    def draft(self, b, context=None):
+        return self.d
 
 
 def test_fixed_block_always_answers_its_block():
@@ -69,28 +72,46 @@ def test_outcomes_update_only_the_positions_a_cycle_reached():
 
 def test_rejections_turn_speculation_off_and_probes_bring_it_back():
     policy = AdaptiveBlock(Linear(1.0, 0.1, 0.3), 16)
-    chosen = []
-    for _ in range(40):  # the draft is always wrong
+    chosen, probes = [], []
+
+    def cycle(draft_right):
         b = policy.choose()
         chosen.append(b)
-        policy.update(b, 0)
+        policy.update(b, b - 1 if draft_right else 0)
+        probe = policy.probe() if b == 1 else 0
+        if probe:  # judged against the plain steps' tokens, never verified
+            probes.append((len(chosen) - 1, probe))
+            policy.probed([1.0] * (probe - 1) if draft_right else [0.0])
+
+    for _ in range(40):  # the draft is always wrong
+        cycle(False)
     first_plain = chosen.index(1)
-    assert all(b > 1 for b in chosen[:first_plain])
-    tail = chosen[first_plain:]
-    probes = [i for i, b in enumerate(tail) if b > 1]
-    assert probes and all(tail[i] < chosen[0] for i in probes)  # the first position is known bad
-    assert all(j - i >= PROBE_EVERY for i, j in zip(probes, probes[1:]))
+    assert all(b > 1 for b in chosen[:first_plain]) and set(chosen[first_plain:]) == {1}
+    assert probes and all(b < chosen[0] for _, b in probes)  # the first position is known bad
+    assert all(j - i >= PROBE_EVERY for (i, _), (j, _) in zip(probes, probes[1:]))
     turned = len(chosen)
     for _ in range(100):  # now the draft is always right: the probes find out
-        b = policy.choose()
-        chosen.append(b)
-        policy.update(b, b - 1)
+        cycle(True)
     recovery = chosen[turned:]
     back = max(i for i, b in enumerate(recovery) if b == 1) + 1  # speculating from here on
     assert back <= 3 * PROBE_EVERY  # a few probes find out
     speculating = recovery[back:]
     assert all(a <= b for a, b in zip(speculating, speculating[1:]))  # grows as positions prove good
     assert chosen[-10:] == [16] * 10
+
+
+def test_a_probe_is_due_only_while_plain_steps_win():
+    policy = AdaptiveBlock(FLAT, 4)
+    assert policy.choose() == 4 and policy.probe() == 0
+    policy = AdaptiveBlock(STEEP, 4)
+    due = [policy.choose() == 1 and policy.probe() for _ in range(3 * PROBE_EVERY)]
+    assert all(b in (0, 2, 3, 4) for b in due) and due.count(0) > len(due) / 2
+
+
+def test_outcomes_of_probes_update_the_positions_they_reached():
+    policy = AdaptiveBlock(FLAT, 6, prior=0.5, rate=0.5)
+    policy.probed([1.0, 0.5])
+    assert policy.acceptance == [0.75, 0.5, 0.5, 0.5, 0.5]
 
 
 def test_the_choices_are_deterministic_given_curve_and_outcomes():
@@ -115,7 +136,7 @@ class ScriptedPolicy:
         self.blocks = list(blocks)
         self.outcomes = []
 
-    def choose(self, context=0, owed=0):
+    def choose(self, context=0):
         return self.blocks.pop(0)
 
     def update(self, block_size, accepted):
@@ -209,6 +230,85 @@ def test_plain_steps_run_one_ahead_and_the_caches_stay_in_step(qwen3_5):
     assert oracle.batches == [len(prompt) - 1, 1, 3, 4, 2, 2, 3]  # prompt (its last token alone), 3 plain, block 4, 2 plain, block 2, 3 plain
 
 
+class ProbingPolicy:
+    """Plain steps only, with a probe of block ``b`` due after the ``at``-th choice."""
+
+    def __init__(self, at, b):
+        self.at, self.b, self.asked, self.outcomes = at, b, 0, []
+
+    def choose(self, context=0):
+        self.asked += 1
+        return 1
+
+    def probe(self):
+        return self.b if self.asked == self.at else 0
+
+    def probed(self, hits):
+        self.outcomes.append(hits)
+
+    def update(self, block_size, accepted):
+        pass
+
+
+class PartlyRightOracle(CountingOracle):
+    """Proposes the greedy continuation at the first ``right`` positions, then wrong tokens."""
+
+    def __init__(self, right, *args):
+        super().__init__(*args)
+        self.right = right
+
+    def propose(self, y, block_size):
+        self.asked.append(block_size)
+        start = self.position - self.prompt_len + 1
+        tokens = self.continuation[start : start + block_size - 1]
+        tokens = [t if i < self.right else (t + 1) % self.vocab_size for i, t in enumerate(tokens)]
+        return (mx.arange(self.vocab_size)[None] == mx.array(tokens)[:, None]).astype(mx.float32)
+
+
+@pytest.mark.parametrize("right", [0, 1, 2, 3])
+def test_a_probe_is_judged_against_the_targets_own_tokens_not_verified(qwen3_5, right):
+    """A probe of block 4 drafts 3 tokens beside a plain step; the policy learns
+    exactly where they part from the target's next tokens (each acceptance
+    length 0..3), while every cycle stays a plain step with the target's token."""
+    model, tokenizer, _ = qwen3_5
+    target = Target(model)
+    prompt = tokenizer.encode("the quick brown fox")
+    continuation = greedy_reference(model, prompt, 12)
+    oracle = PartlyRightOracle(right, len(prompt), continuation, target.vocab_size)
+    policy = ProbingPolicy(at=3, b=4)
+    decoder = SpeculativeDecoder(target, oracle, [0], policy)
+    out = [decoder.prefill(mx.array(prompt))]
+    while len(out) < 12:
+        cycle = decoder.cycle()
+        assert len(cycle.tokens) == 1 and cycle.accepted == 0
+        out += cycle.tokens
+    assert out == continuation
+    assert oracle.asked == [4]  # one draft pass, for the probe
+    assert policy.outcomes == [[1.0] * right + ([0.0] if right < 3 else [])]
+
+
+def test_a_sampled_probe_learns_the_rejection_rules_acceptance(qwen3_5):
+    """At T > 0 the probe's first position is judged by min(1, p/q) of the
+    target's warped distribution after the token it was drafted from."""
+    model, tokenizer, _ = qwen3_5
+    target = Target(model)
+    prompt = tokenizer.encode("the quick brown fox")
+    params = SamplingParams(temperature=1.0, seed=7)
+    oracle = CountingOracle(len(prompt), [0] * 40, target.vocab_size)  # drafts token 0 everywhere
+    policy = ProbingPolicy(at=2, b=4)
+    decoder = SpeculativeDecoder(target, oracle, [0], policy, sampler=BlockSampler(params))
+    out = [decoder.prefill(mx.array(prompt))]
+    while len(out) < 8:
+        out += decoder.cycle().tokens
+    (hits,) = policy.outcomes
+    before = prompt + out[:2]  # the probe was drafted after the second token
+    p = np.exp(np.array(warp(model(mx.array(before)[None])[0, -1:], params), dtype=np.float64))[0, 0]
+    q = np.exp(np.array(warp(mx.eye(target.vocab_size)[:1], params), dtype=np.float64))[0, 0]
+    assert hits[0] == pytest.approx(min(1.0, p / q), rel=1e-4)
+    matched = next((i for i, t in enumerate(out[2:5]) if t != 0), 3)
+    assert len(hits) == min(matched + 1, 3)  # as far as the drafts match the tokens drawn
+
+
 def test_a_plain_step_samples_from_the_target_when_sampling(qwen3_5):
     model, tokenizer, _ = qwen3_5
     target = Target(model)
@@ -265,13 +365,11 @@ def test_auto_is_the_default_and_reads_the_cached_curve(qwen3_5, tmp_path, monke
     monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
     target = Target(model)
     key = cc.cache_key(target, draft)
-    near = CostCurve((1, 2), (1.0, 1.6), (0.0, 0.05))  # speculation almost pays: a probe loses little
-    cc.write_cached(cc.cache_path(key), key, near)
+    cc.write_cached(cc.cache_path(key), key, FLAT)  # speculation is free: the trained block every cycle
     res = generate(target, draft, tokenizer, "hello", max_tokens=12)
-    assert res.block_sizes[:PROBE_EVERY] == [1] * (PROBE_EVERY - 1) + [res.block_sizes[PROBE_EVERY - 1]]
-    assert res.block_sizes[PROBE_EVERY - 1] > 1  # the curve alone says never speculate: a probe
+    assert set(res.block_sizes) == {draft.config.block_size}
     assert res.tokens == greedy_reference(model, tokenizer.encode("hello"), 12)
-    cc.write_cached(cc.cache_path(key), key, STEEP)  # a probe costs 16 plain steps: far fewer probes
+    cc.write_cached(cc.cache_path(key), key, STEEP)  # a block costs its plain steps: plain steps only
     assert generate(target, draft, tokenizer, "hello", max_tokens=12).block_sizes == [1] * 11
 
 
@@ -308,7 +406,7 @@ def test_auto_at_temperature_one_follows_the_targets_distribution(policy_name):
     inner.norm.weight = inner.norm.weight * 0.25
     target, memo = Target(model), {}
     params = SamplingParams(temperature=1.0)
-    policy = AdaptiveBlock(Linear(1.0, 0.4, 1.0), 4, probe_every=2) if policy_name == "auto" else FixedBlock(1)
+    policy = AdaptiveBlock(Linear(1.0, 0.2, 0.5), 4, probe_every=2) if policy_name == "auto" else FixedBlock(1)
     tokens, blocks = [], []
     for seed in range(RUNS):
         decoder = SpeculativeDecoder(target, sampled.NoisyTargetProposer(model, params, memo), [0], policy,
