@@ -20,15 +20,27 @@ is a plain target step with no draft pass (its price includes injecting its
 position into the draft's context when the draft next runs).
 
 While b = 1 wins, acceptance is still measured now and then, so speculation
-comes back when the text turns predictable: a probe drafts the best b > 1
-beside a plain step and, instead of verifying it, judges its drafts against
-the target's own next tokens (``probed``): a greedy draft is accepted exactly
-where it matches them; a sampled one with the rejection rule's probability
-min(1, p/q), as far as the drafts match the tokens drawn. Nothing is
-verified or rolled back, so a probe costs one draft pass and the output is
-the plain steps'. Probes come every ``probe_every`` plain steps, or less
-often when their draft passes would cost more than ``probe_budget`` of the
-plain steps' time. Given the curve, the contexts and the outcomes, the
+comes back when the text turns predictable: a probe tries the best b > 1,
+one of two ways. Verified, it is an ordinary cycle and costs what it takes
+beyond the plain steps that would have made its expected tokens; it is
+taken only once speculation has run in this generation (the acceptance it
+expects then was measured, not the prior) and where it costs less than the
+other way. Only drafted, it is drafted beside a plain
+step and judged against the target's own next tokens (``probed``): a greedy
+draft is accepted exactly where it matches them; a sampled one with the
+rejection rule's probability min(1, p/q), as far as the drafts match the
+tokens drawn. Nothing is verified or rolled back, so it costs one draft pass
+and the output is the plain steps' (the cheaper kind where acceptance is low
+or the context long). Probes come ``probe_every`` plain steps apart, twice
+that after a probe that failed (its tokens would not have paid for
+verifying it), four times after two such in a row, and so on up to the
+spacing at which their loss is ``probe_budget`` of the plain steps' time
+(so while they keep failing, that is what they cost, after the first few);
+the first comes with the first plain step, so a
+pair whose curve alone says "plain" learns at once whether its drafts would
+pay, and text that turns predictable is found again soon.
+A probe's outcome, either kind, weighs ``PROBE_RATE`` in each c_i it
+reached, more than a speculative cycle's ``RATE``. Given the curve, the contexts and the outcomes, the
 choices are deterministic, unless a ``DriftWatch`` (``cost_curve.py``) finds
 the observed cycle times drifted from the curve: from then on the costs are
 scaled by what it observes.
@@ -41,12 +53,13 @@ PRIOR_ACCEPTANCE = 0.6  # c_i before any outcome: tau 2.5 at b = 16, below what 
 RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycles count)
 PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
 PROBE_BUDGET = 0.02  # the most of the plain steps' time the probes' draft passes may take
+PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
 
 
 class BlockPolicy(Protocol):
     """A policy that probes (``AdaptiveBlock``) also has ``probe()`` and
-    ``probed(hits)``."""
+    ``probed(block_size, hits)``."""
 
     def choose(self, context: int = 0) -> int:
         """The block size of the next cycle (1: no draft, a plain target step),
@@ -101,9 +114,13 @@ class AdaptiveBlock:
         self.probe_budget = probe_budget
         self.watch = watch
         self.acceptance = [prior] * (max_block - 1)  # c_1 .. c_{max_block-1}
-        self.plain_steps = 0  # cycles at b = 1 since speculation ran or a probe was taken
+        self.plain_steps: Optional[int] = None  # cycles at b = 1 since speculation ran or a probe
+        # was taken; None until then (a probe is due at the first plain step)
         self.context = 0  # tokens in the target's cache at the last choice
         self.due = 0  # the block of a probe due beside this plain step, 0: none
+        self.verifying_probe = False  # the block chosen last is a probe, verified
+        self.speculated = False  # whether speculation has run (a verified probe may be taken)
+        self.failed_probes = 0  # probes whose first draft failed since one passed or speculation ran
         self._prices: tuple = (None, [])  # (what they were read for, seconds at b = 1 .. max_block)
 
     def cycle_seconds(self, b: int) -> float:
@@ -146,50 +163,78 @@ class AdaptiveBlock:
         rates = rates or self.rates()
         return max(range(low, self.max_block + 1), key=lambda b: (rates[b - 1], -b))
 
+    def verified_probe_loss(self, probe: int) -> float:
+        """Seconds a probe verified at block ``probe`` takes beyond the plain
+        steps that would make its expected tokens."""
+        return self.cycle_seconds(probe) - self.expected_tokens(probe) * self.cycle_seconds(1)
+
+    def drafted_probe_loss(self, probe: int) -> float:
+        """Seconds a probe only drafted at block ``probe`` takes: its draft pass."""
+        draft = self.costs.draft(probe, self.context // PRICE_STEP * PRICE_STEP)
+        return draft * (self.watch.factor(probe) if self.watch else 1.0)
+
     def probe_interval(self, probe: int) -> int:
         """Plain steps from one probe at block ``probe`` to the next: at least
-        ``probe_every``, and enough that the probe's draft pass costs at most
+        ``probe_every``, ``probe_every`` x 2^k after k probes in a row that
+        failed (``probed``), and at most enough that the probe's loss is
         ``probe_budget`` of their time."""
-        step = self.cycle_seconds(1)
-        draft = self.costs.draft(probe, self.context // PRICE_STEP * PRICE_STEP)
-        if self.watch:
-            draft *= self.watch.factor(probe)
-        return max(self.probe_every, math.ceil(draft / (self.probe_budget * step)))
+        loss = self.drafted_probe_loss(probe)
+        if self.speculated:
+            loss = min(loss, self.verified_probe_loss(probe))
+        interval = math.ceil(loss / (self.probe_budget * self.cycle_seconds(1)))
+        interval = min(interval, self.probe_every * 2**self.failed_probes)
+        return max(self.probe_every, interval)
 
     def choose(self, context: int = 0) -> int:
         self.context = context
         rates = self.rates()
         b = self.best(rates=rates)
-        self.due = 0
+        self.due, self.verifying_probe = 0, False
         if b > 1 or self.max_block == 1:
             self.plain_steps = 0
+            self.speculated, self.failed_probes = True, 0
             return b
-        self.plain_steps += 1
         probe = self.best(low=2, rates=rates)
-        if self.plain_steps >= self.probe_interval(probe):
-            self.due = probe
+        if self.plain_steps is not None:
+            self.plain_steps += 1
+            if self.plain_steps < self.probe_interval(probe):
+                return 1
+        self.plain_steps = 0  # a probe is due
+        if self.speculated and self.verified_probe_loss(probe) <= self.drafted_probe_loss(probe):
+            self.verifying_probe = True  # the tokens it makes pay for more than a draft pass alone
+            return probe
+        self.due = probe
         return 1
 
     def probe(self) -> int:
-        """After ``choose`` answered 1: the block of the probe to draft beside
-        this plain step, judged by ``probed``; 0 while none is due. Taking it
-        starts the interval to the next."""
+        """After ``choose`` answered 1: the block of a probe to draft beside
+        this plain step and judge by ``probed``, or 0 while none is due."""
         b, self.due = self.due, 0
-        if b:
-            self.plain_steps = 0
         return b
 
     def update(self, block_size: int, accepted: int) -> None:
         if self.watch:
             self.watch.cycle_done(block_size, self.context)
         # positions 1..accepted were accepted; position accepted+1 (if drafted) was rejected
-        self._learn(([1.0] * accepted + [0.0])[: block_size - 1])
+        hits = ([1.0] * accepted + [0.0])[: block_size - 1]
+        if self.verifying_probe:
+            self.probed(block_size, hits)
+        else:
+            self._learn(hits, self.rate)
 
-    def probed(self, hits: list[float]) -> None:
-        """A probe's outcome: for each draft position it reached, in order,
-        the probability that verifying would have accepted it there."""
-        self._learn(hits)
+    def probed(self, block_size: int, hits: list[float]) -> None:
+        """A probe's outcome at ``block_size``: for each draft position it
+        reached, in order, the probability that verifying would have accepted
+        it there. It failed when the tokens it makes (expected so) would not
+        have paid for verifying it."""
+        self._learn(hits, PROBE_RATE)
+        made, reach = 1.0, 1.0
+        for hit in hits:
+            reach *= hit
+            made += reach
+        paid = made * self.cycle_seconds(1) >= self.cycle_seconds(block_size)
+        self.failed_probes = 0 if paid else self.failed_probes + 1
 
-    def _learn(self, hits: list[float]) -> None:
+    def _learn(self, hits: list[float], rate: float) -> None:
         for i, hit in enumerate(hits[: self.max_block - 1]):
-            self.acceptance[i] += self.rate * (hit - self.acceptance[i])
+            self.acceptance[i] += rate * (hit - self.acceptance[i])

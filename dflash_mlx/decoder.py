@@ -283,7 +283,7 @@ class SpeculativeDecoder:
         self.pending = self.sampler.next_token(logits)
         self.sampler.commit(self.pending)
         first = self.pending.item()
-        self._queue_draft()
+        self._queue_next()
         return first
 
     def _observe_prompt(self, features: mx.array, chunk: mx.array, start: int, end: int) -> None:
@@ -329,7 +329,7 @@ class SpeculativeDecoder:
     def _judge_probe(self, probe: Probe, token: int, logits: mx.array) -> None:
         hits = probe.judge(token, logits, self.sampler)
         if hits is not None:
-            self.policy.probed(hits)
+            self.policy.probed(probe.drafted.size + 1, hits)
             if self.probe is probe:
                 self.probe = None
 
@@ -361,8 +361,8 @@ class SpeculativeDecoder:
         start computing the token after it before waiting for y itself, as
         mlx-lm's own decoding does: while plain steps follow each other, one is
         always in flight behind the host. y joins ``tokens`` here, so the cache
-        and ``tokens`` agree whenever a cycle returns. Never queued by
-        ``prefill``: until the first cycle the cache ends at the prompt."""
+        and ``tokens`` agree whenever a cycle or the prefill returns (the
+        prefill queues the first step, as mlx-lm's does)."""
         y = self.pending
         self._quantize_kv()
         out = self.target.forward(y[None], self.cache, self.layer_ids)
@@ -381,8 +381,6 @@ class SpeculativeDecoder:
     def cycle(self) -> Cycle:
         """One draft + verify + commit cycle; returns the committed tokens."""
         if self.block_size == 1:  # a plain step: nothing drafted, so nothing to reject
-            if self.queued is None:  # the first cycle after prefill
-                self._queue_plain_step()
             self.pending, self.queued = self.queued, None
             logits, probe = self.queued_logits, self.probe  # a probe drafted before this token
             self._keep(logits)

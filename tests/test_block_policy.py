@@ -4,6 +4,7 @@ b = 1, and losslessness whatever the blocks: greedy output equals mlx-lm's for
 auto and every fixed block on several families, and auto at temperature > 0
 passes the same distribution check as the chain."""
 
+import math
 from dataclasses import replace
 
 import mlx.core as mx
@@ -13,7 +14,7 @@ from mlx_lm import load as mlx_lm_load
 
 from checkpoints import build_target
 from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generate
-from dflash_mlx.block_policy import PROBE_EVERY, AdaptiveBlock, FixedBlock
+from dflash_mlx.block_policy import PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
 from dflash_mlx.cost_curve import CostCurve
 from dflash_mlx.decoder import SpeculativeDecoder
 from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
@@ -81,12 +82,13 @@ def test_rejections_turn_speculation_off_and_probes_bring_it_back():
         probe = policy.probe() if b == 1 else 0
         if probe:  # judged against the plain steps' tokens, never verified
             probes.append((len(chosen) - 1, probe))
-            policy.probed([1.0] * (probe - 1) if draft_right else [0.0])
+            policy.probed(probe, [1.0] * (probe - 1) if draft_right else [0.0])
 
     for _ in range(40):  # the draft is always wrong
         cycle(False)
     first_plain = chosen.index(1)
-    assert all(b > 1 for b in chosen[:first_plain]) and set(chosen[first_plain:]) == {1}
+    assert all(b > 1 for b in chosen[:first_plain])
+    probes = sorted(probes + [(i, b) for i, b in enumerate(chosen) if i > first_plain and b > 1])  # + verified
     assert probes and all(b < chosen[0] for _, b in probes)  # the first position is known bad
     assert all(j - i >= PROBE_EVERY for (i, _), (j, _) in zip(probes, probes[1:]))
     turned = len(chosen)
@@ -105,12 +107,50 @@ def test_a_probe_is_due_only_while_plain_steps_win():
     assert policy.choose() == 4 and policy.probe() == 0
     policy = AdaptiveBlock(STEEP, 4)
     due = [policy.choose() == 1 and policy.probe() for _ in range(3 * PROBE_EVERY)]
+    assert due[0] > 1  # the first plain step: the curve alone says "plain", the drafts may say otherwise
     assert all(b in (0, 2, 3, 4) for b in due) and due.count(0) > len(due) / 2
+
+
+def test_failed_probes_back_off_to_the_budgets_spacing():
+    """Probes that keep failing come 2x, 4x, ... ``PROBE_EVERY`` apart, up to
+    the spacing at which they cost the budget; one that would have paid for
+    verifying it brings them close again."""
+    curve = CostCurve((1, 16), (1.0, 16.0), (0.0, 1.0))  # a draft pass costs a plain step
+    policy = AdaptiveBlock(curve, 4)
+    taken = []
+    for i in range(400):
+        assert policy.choose() == 1
+        b = policy.probe()
+        if b:
+            taken.append(i)
+            policy.probed(b, [0.0])
+    gaps = [j - i for i, j in zip(taken, taken[1:])]
+    cap = math.ceil(1.0 / PROBE_BUDGET)
+    assert gaps[:2] == [2 * PROBE_EVERY, 4 * PROBE_EVERY] and set(gaps[2:]) == {cap}
+    policy.probed(4, [1.0, 1.0, 1.0])  # 4 tokens, but verifying block 4 costs 5 plain steps here
+    assert policy.failed_probes > 0
+    fast = AdaptiveBlock(CostCurve((1, 4), (1.0, 1.2), (0.0, 0.3)), 4)
+    fast.failed_probes = 3
+    fast.probed(4, [1.0, 1.0, 1.0])  # 4 tokens for 1.5 plain steps' time: it would have paid
+    assert fast.failed_probes == 0
+
+
+def test_a_probe_is_verified_only_once_speculation_ran_and_where_that_costs_less():
+    curve = CostCurve((1, 16), (1.0, 1.0), (0.0, 2.0))  # verifying is free, drafting dear
+    policy = AdaptiveBlock(curve, 4)
+    assert policy.choose() == 1 and policy.probe() > 1  # no acceptance measured yet: only drafted
+    policy.acceptance = [1.0] * 3
+    assert policy.choose() == 4  # speculating
+    for _ in range(3):
+        policy.update(4, 0)
+    chosen = [policy.choose() for _ in range(2 * PROBE_EVERY)]
+    assert chosen[:PROBE_EVERY - 1] == [1] * (PROBE_EVERY - 1) and chosen[PROBE_EVERY - 1] > 1  # verified
+    assert policy.verified_probe_loss(2) < policy.drafted_probe_loss(2)
 
 
 def test_outcomes_of_probes_update_the_positions_they_reached():
     policy = AdaptiveBlock(FLAT, 6, prior=0.5, rate=0.5)
-    policy.probed([1.0, 0.5])
+    policy.probed(3, [1.0, 0.5])
     assert policy.acceptance == [0.75, 0.5, 0.5, 0.5, 0.5]
 
 
@@ -205,8 +245,8 @@ class RecordingOracle(CountingOracle):
 def test_plain_steps_run_one_ahead_and_the_caches_stay_in_step(qwen3_5):
     """Each plain step is queued before the cycle that emits its input returns
     (one step in flight behind the host, as mlx-lm decodes), yet whenever a
-    cycle returns the target cache holds exactly ``tokens``. Prefill queues
-    nothing (the server snapshots the prompt's end there). The proposer gets
+    cycle returns the target cache holds exactly ``tokens``; the prefill queues
+    the first step (the first token is fed when it returns). The proposer gets
     the plain steps' features in one batch when it next drafts, and the rest on
     ``close()``."""
     model, tokenizer, _ = qwen3_5
@@ -218,7 +258,7 @@ def test_plain_steps_run_one_ahead_and_the_caches_stay_in_step(qwen3_5):
     decoder = SpeculativeDecoder(target, oracle, [0], ScriptedPolicy(blocks + [1]))
     attention = next(c for c in decoder.cache if c.is_trimmable())
     out = [decoder.prefill(mx.array(prompt))]
-    assert attention.offset == len(prompt) and decoder.queued is None
+    assert decoder.tokens == prompt + out and attention.offset == len(prompt) + 1 and decoder.queued is not None
     for b in blocks:
         out += decoder.cycle().tokens
         fed = prompt + out if decoder.block_size == 1 else prompt + out[:-1]  # the last one too while plain
@@ -243,7 +283,7 @@ class ProbingPolicy:
     def probe(self):
         return self.b if self.asked == self.at else 0
 
-    def probed(self, hits):
+    def probed(self, block_size, hits):
         self.outcomes.append(hits)
 
     def update(self, block_size, accepted):
@@ -406,7 +446,7 @@ def test_auto_at_temperature_one_follows_the_targets_distribution(policy_name):
     inner.norm.weight = inner.norm.weight * 0.25
     target, memo = Target(model), {}
     params = SamplingParams(temperature=1.0)
-    policy = AdaptiveBlock(Linear(1.0, 0.2, 0.5), 4, probe_every=2) if policy_name == "auto" else FixedBlock(1)
+    policy = AdaptiveBlock(Linear(1.0, 0.3, 0.6), 4, probe_every=2) if policy_name == "auto" else FixedBlock(1)
     tokens, blocks = [], []
     for seed in range(RUNS):
         decoder = SpeculativeDecoder(target, sampled.NoisyTargetProposer(model, params, memo), [0], policy,
