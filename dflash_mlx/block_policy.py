@@ -25,24 +25,25 @@ one of two ways. Verified, it is an ordinary cycle and costs what it takes
 beyond the plain steps that would have made its expected tokens; it is
 taken only once speculation has run in this generation (the acceptance it
 expects then was measured, not the prior) and where it costs less than the
-other way. Only drafted, it is drafted beside a plain
-step and judged against the target's own next tokens (``probed``): a greedy
-draft is accepted exactly where it matches them; a sampled one with the
-rejection rule's probability min(1, p/q), as far as the drafts match the
-tokens drawn. Nothing is verified or rolled back, so it costs one draft pass
-and the output is the plain steps' (the cheaper kind where acceptance is low
-or the context long). Probes come ``probe_every`` plain steps apart, twice
-that after a probe that failed (its tokens would not have paid for
-verifying it), four times after two such in a row, and so on up to the
-spacing at which their loss is ``probe_budget`` of the plain steps' time
-(so while they keep failing, that is what they cost, after the first few);
-the first comes with the first plain step, so a
-pair whose curve alone says "plain" learns at once whether its drafts would
-pay, and text that turns predictable is found again soon.
-A probe's outcome, either kind, weighs ``PROBE_RATE`` in each c_i it
-reached, more than a speculative cycle's ``RATE``. Given the curve, the contexts and the outcomes, the
-choices are deterministic, unless a ``DriftWatch`` (``cost_curve.py``) finds
-the observed cycle times drifted from the curve: from then on the costs are
+other way. Only drafted, it is drafted beside a plain step and judged
+against the target's own next tokens (``probed``): a greedy draft is
+accepted exactly where it matches them; a sampled one with the rejection
+rule's probability min(1, p/q), as far as the drafts match the tokens drawn.
+Nothing is verified or rolled back, so it costs one draft pass and the
+output is the plain steps' (the cheaper kind where acceptance is low or the
+context long). Probes come ``probe_every`` plain steps apart, twice that
+after a probe that failed (its tokens would not have paid for verifying
+it), four times after two such in a row, and so on up to the spacing at
+which their loss is ``probe_budget`` of the plain steps' time (so while they
+keep failing, that is what they cost, after the first few); the first comes
+with the first plain step, so a pair whose curve alone says "plain" learns
+at once whether its drafts would pay, and text that turns predictable is
+found again soon. A probe's outcome, either kind, weighs ``PROBE_RATE`` in
+each c_i it reached, more than a speculative cycle's ``RATE``.
+
+Given the curve, the contexts and the outcomes, the choices are
+deterministic, unless a ``DriftWatch`` (``cost_curve.py``) finds the
+observed cycle times drifted from the curve: from then on the costs are
 scaled by what it observes.
 """
 
@@ -55,6 +56,17 @@ PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
 PROBE_BUDGET = 0.02  # the most of the plain steps' time the probes' draft passes may take
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
+
+
+def tokens_made(acceptance: list[float]) -> float:
+    """Expected tokens a cycle commits, given each draft position's acceptance
+    probability given the ones before it: the target's own token plus each
+    accepted draft."""
+    total, reach = 1.0, 1.0
+    for c in acceptance:
+        reach *= c
+        total += reach
+    return total
 
 
 class BlockPolicy(Protocol):
@@ -120,7 +132,7 @@ class AdaptiveBlock:
         self.due = 0  # the block of a probe due beside this plain step, 0: none
         self.verifying_probe = False  # the block chosen last is a probe, verified
         self.speculated = False  # whether speculation has run (a verified probe may be taken)
-        self.failed_probes = 0  # probes whose first draft failed since one passed or speculation ran
+        self.failed_probes = 0  # probes in a row that would not have paid (``probed``)
         self._prices: tuple = (None, [])  # (what they were read for, seconds at b = 1 .. max_block)
 
     def cycle_seconds(self, b: int) -> float:
@@ -129,8 +141,11 @@ class AdaptiveBlock:
         has seen."""
         return self._seconds()[b - 1]
 
+    def _priced_context(self) -> int:
+        return self.context // PRICE_STEP * PRICE_STEP
+
     def _seconds(self) -> list[float]:
-        context = self.context // PRICE_STEP * PRICE_STEP
+        context = self._priced_context()
         factors = (self.watch.factor(1), self.watch.factor(2)) if self.watch else (1.0, 1.0)
         if self._prices[0] != (context, factors):
             seconds = [self.costs.cycle_seconds(b, context) * factors[b > 1] for b in range(1, self.max_block + 1)]
@@ -139,11 +154,7 @@ class AdaptiveBlock:
 
     def expected_tokens(self, b: int) -> float:
         """E[tokens committed | b]: the target's own token plus each accepted draft."""
-        total, reach = 1.0, 1.0
-        for c in self.acceptance[: b - 1]:
-            reach *= c
-            total += reach
-        return total
+        return tokens_made(self.acceptance[: b - 1])
 
     def tokens_per_second(self, b: int) -> float:
         return self.expected_tokens(b) / self.cycle_seconds(b)
@@ -170,7 +181,7 @@ class AdaptiveBlock:
 
     def drafted_probe_loss(self, probe: int) -> float:
         """Seconds a probe only drafted at block ``probe`` takes: its draft pass."""
-        draft = self.costs.draft(probe, self.context // PRICE_STEP * PRICE_STEP)
+        draft = self.costs.draft(probe, self._priced_context())
         return draft * (self.watch.factor(probe) if self.watch else 1.0)
 
     def probe_interval(self, probe: int) -> int:
@@ -228,11 +239,7 @@ class AdaptiveBlock:
         it there. It failed when the tokens it makes (expected so) would not
         have paid for verifying it."""
         self._learn(hits, PROBE_RATE)
-        made, reach = 1.0, 1.0
-        for hit in hits:
-            reach *= hit
-            made += reach
-        paid = made * self.cycle_seconds(1) >= self.cycle_seconds(block_size)
+        paid = tokens_made(hits) * self.cycle_seconds(1) >= self.cycle_seconds(block_size)
         self.failed_probes = 0 if paid else self.failed_probes + 1
 
     def _learn(self, hits: list[float], rate: float) -> None:
