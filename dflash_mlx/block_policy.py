@@ -31,15 +31,19 @@ accepted exactly where it matches them; a sampled one with the rejection
 rule's probability min(1, p/q), as far as the drafts match the tokens drawn.
 Nothing is verified or rolled back, so it costs one draft pass and the
 output is the plain steps' (the cheaper kind where acceptance is low or the
-context long). Probes come ``probe_every`` plain steps apart, twice that
-after a probe that failed (its tokens would not have paid for verifying
-it), four times after two such in a row, and so on up to the spacing at
-which their loss is ``probe_budget`` of the plain steps' time (so while they
-keep failing, that is what they cost, after the first few); the first comes
-with the first plain step, so a pair whose curve alone says "plain" learns
-at once whether its drafts would pay, and text that turns predictable is
-found again soon. A probe's outcome, either kind, weighs ``PROBE_RATE`` in
-each c_i it reached, more than a speculative cycle's ``RATE``.
+context long). The first probe comes with the first plain step, so a pair
+whose curve alone says "plain" learns at once whether its drafts would pay.
+Until speculation has run in the generation, the next probes come at the
+spacing at which their loss is ``probe_budget`` of the plain steps' time
+(nothing has shown the drafts pay here: on a long prompt a draft pass can
+cost as much as a plain step, and a short generation would pay for a quick
+succession of probes that find nothing). Once it has run and the text turns
+unpredictable, probes come ``probe_every`` plain steps apart, then twice
+that after a probe that did not bring speculation back, four times after two,
+and so on up to the budget's spacing, so text that turns predictable again
+is found soon and probes that keep finding nothing cost the budget. A
+probe's outcome, either kind, weighs ``PROBE_RATE`` in each c_i it reached,
+more than a speculative cycle's ``RATE``.
 
 Given the curve, the contexts and the outcomes, the choices are
 deterministic, unless a ``DriftWatch`` (``cost_curve.py``) finds the
@@ -53,20 +57,9 @@ from typing import Optional, Protocol
 PRIOR_ACCEPTANCE = 0.6  # c_i before any outcome: tau 2.5 at b = 16, below what trained drafts reach
 RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycles count)
 PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
-PROBE_BUDGET = 0.02  # the most of the plain steps' time the probes' draft passes may take
+PROBE_BUDGET = 0.01  # the most of the plain steps' time the probes' draft passes may take
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
-
-
-def tokens_made(acceptance: list[float]) -> float:
-    """Expected tokens a cycle commits, given each draft position's acceptance
-    probability given the ones before it: the target's own token plus each
-    accepted draft."""
-    total, reach = 1.0, 1.0
-    for c in acceptance:
-        reach *= c
-        total += reach
-    return total
 
 
 class BlockPolicy(Protocol):
@@ -132,7 +125,7 @@ class AdaptiveBlock:
         self.due = 0  # the block of a probe due beside this plain step, 0: none
         self.verifying_probe = False  # the block chosen last is a probe, verified
         self.speculated = False  # whether speculation has run (a verified probe may be taken)
-        self.failed_probes = 0  # probes in a row that would not have paid (``probed``)
+        self.failed_probes = 0  # probes since speculation last ran
         self._prices: tuple = (None, [])  # (what they were read for, seconds at b = 1 .. max_block)
 
     def cycle_seconds(self, b: int) -> float:
@@ -154,7 +147,11 @@ class AdaptiveBlock:
 
     def expected_tokens(self, b: int) -> float:
         """E[tokens committed | b]: the target's own token plus each accepted draft."""
-        return tokens_made(self.acceptance[: b - 1])
+        total, reach = 1.0, 1.0
+        for c in self.acceptance[: b - 1]:
+            reach *= c
+            total += reach
+        return total
 
     def tokens_per_second(self, b: int) -> float:
         return self.expected_tokens(b) / self.cycle_seconds(b)
@@ -185,15 +182,16 @@ class AdaptiveBlock:
         return draft * (self.watch.factor(probe) if self.watch else 1.0)
 
     def probe_interval(self, probe: int) -> int:
-        """Plain steps from one probe at block ``probe`` to the next: at least
-        ``probe_every``, ``probe_every`` x 2^k after k probes in a row that
-        failed (``probed``), and at most enough that the probe's loss is
-        ``probe_budget`` of their time."""
+        """Plain steps from one probe at block ``probe`` to the next: enough
+        that the probe's loss is ``probe_budget`` of their time, and at least
+        ``probe_every``; once speculation has run, at most ``probe_every`` x
+        2^k after k probes that did not bring it back."""
         loss = self.drafted_probe_loss(probe)
         if self.speculated:
             loss = min(loss, self.verified_probe_loss(probe))
         interval = math.ceil(loss / (self.probe_budget * self.cycle_seconds(1)))
-        interval = min(interval, self.probe_every * 2**self.failed_probes)
+        if self.speculated:
+            interval = min(interval, self.probe_every * 2**self.failed_probes)
         return max(self.probe_every, interval)
 
     def choose(self, context: int = 0) -> int:
@@ -236,11 +234,9 @@ class AdaptiveBlock:
     def probed(self, block_size: int, hits: list[float]) -> None:
         """A probe's outcome at ``block_size``: for each draft position it
         reached, in order, the probability that verifying would have accepted
-        it there. It failed when the tokens it makes (expected so) would not
-        have paid for verifying it."""
+        it there. Until speculation runs again it counts as failed."""
         self._learn(hits, PROBE_RATE)
-        paid = tokens_made(hits) * self.cycle_seconds(1) >= self.cycle_seconds(block_size)
-        self.failed_probes = 0 if paid else self.failed_probes + 1
+        self.failed_probes += 1
 
     def _learn(self, hits: list[float], rate: float) -> None:
         for i, hit in enumerate(hits[: self.max_block - 1]):

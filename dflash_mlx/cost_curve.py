@@ -21,7 +21,8 @@ slope: t(b, n) = t(b) + slope(b) * (n - CONTEXT) for n past ``CONTEXT``.
 The cache lives under ``$DFLASH_MLX_CACHE_DIR`` (meant for tests), else
 ``$XDG_CACHE_HOME/dflash-mlx`` or ``~/.cache/dflash-mlx``, one JSON file per
 key. The key holds the device (backend, default device, ``LD_PRELOAD``, which
-picks the BLAS on Linux), the MLX and dflash-mlx versions, and a hash of each
+picks the BLAS on Linux, and the BLAS thread counts set in the environment:
+one OpenBLAS thread against two changes every pass's time), the MLX and dflash-mlx versions, and a hash of each
 model's config and of its weights' names, shapes and dtypes. An entry that
 does not parse, does not hold that exact key or holds an invalid curve is
 measured again and rewritten, never trusted.
@@ -57,6 +58,7 @@ DRIFT = 1.5  # observed over predicted cycle seconds past this, or under its inv
 DRIFT_WINDOW = 32  # the last cycles of a kind (plain, speculative) whose median ratio is judged
 BUDGET_S = 1.0  # about this long for the whole measurement
 MAX_REPEATS = 5
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # in the key when set
 PLAIN_STEPS = 8  # plain steps timed in a row for b = 1
 
 
@@ -159,7 +161,8 @@ def cache_key(target: Target, draft: DFlashDraft) -> dict:
         backend = "cpu"
     return {
         "device": {"backend": backend, "default": str(mx.default_device()),
-                   "ld_preload": os.environ.get("LD_PRELOAD")},
+                   "ld_preload": os.environ.get("LD_PRELOAD"),
+                   "blas_threads": {k: os.environ.get(k) for k in BLAS_THREADS if os.environ.get(k)}},
         "mlx": mx.__version__,
         "dflash_mlx": _version(),
         "target": model_signature(vars(target.args), target.model),

@@ -111,28 +111,48 @@ def test_a_probe_is_due_only_while_plain_steps_win():
     assert all(b in (0, 2, 3, 4) for b in due) and due.count(0) > len(due) / 2
 
 
-def test_failed_probes_back_off_to_the_budgets_spacing():
-    """Probes that keep failing come 2x, 4x, ... ``PROBE_EVERY`` apart, up to
-    the spacing at which they cost the budget; one that would have paid for
-    verifying it brings them close again."""
-    curve = CostCurve((1, 16), (1.0, 16.0), (0.0, 1.0))  # a draft pass costs a plain step
-    policy = AdaptiveBlock(curve, 4)
+def _probe_steps(policy, n):
+    """The plain steps (of ``n``) beside which a probe was taken, drafted or
+    verified, every one finding the first position wrong."""
     taken = []
-    for i in range(400):
-        assert policy.choose() == 1
-        b = policy.probe()
-        if b:
+    for i in range(n):
+        b = policy.choose()
+        probe = policy.probe() if b == 1 else b
+        if probe > 1:
             taken.append(i)
-            policy.probed(b, [0.0])
+            policy.update(b, 0) if b > 1 else policy.probed(probe, [0.0])
+    return taken
+
+
+def test_before_speculation_runs_probes_keep_the_budgets_spacing():
+    """A pair whose curve says "plain" from the start: the first probe comes
+    with the first plain step, every next one at the spacing at which a probe
+    costs ``PROBE_BUDGET`` of the plain steps' time."""
+    curve = CostCurve((1, 16), (1.0, 16.0), (0.0, 1.0))  # a draft pass costs a plain step
+    taken = _probe_steps(AdaptiveBlock(curve, 4), 400)
+    assert taken[0] == 0
+    assert {j - i for i, j in zip(taken, taken[1:])} == {math.ceil(1.0 / PROBE_BUDGET)}
+
+
+def test_after_speculation_failing_probes_back_off_to_the_budgets_spacing():
+    """Once speculation has run, probes that do not bring it back come 2x,
+    4x, ... ``PROBE_EVERY`` apart, up to the budget's spacing; speculating
+    again brings them close."""
+    policy = AdaptiveBlock(Linear(1.0, 0.0, 1.0), 16)  # a draft pass costs a plain step, verifying is free
+    b = policy.choose()
+    assert b > 1  # the prior says speculate
+    while b > 1:  # until rejections turn it off
+        policy.update(b, 0)
+        b = policy.choose()
+    assert policy.probe() == 0  # the plain step right after speculation
+    taken = _probe_steps(policy, 400)
     gaps = [j - i for i, j in zip(taken, taken[1:])]
-    cap = math.ceil(1.0 / PROBE_BUDGET)
-    assert gaps[:2] == [2 * PROBE_EVERY, 4 * PROBE_EVERY] and set(gaps[2:]) == {cap}
-    policy.probed(4, [1.0, 1.0, 1.0])  # 4 tokens, but verifying block 4 costs 5 plain steps here
-    assert policy.failed_probes > 0
-    fast = AdaptiveBlock(CostCurve((1, 4), (1.0, 1.2), (0.0, 0.3)), 4)
-    fast.failed_probes = 3
-    fast.probed(4, [1.0, 1.0, 1.0])  # 4 tokens for 1.5 plain steps' time: it would have paid
-    assert fast.failed_probes == 0
+    assert gaps[:2] == [2 * PROBE_EVERY, 4 * PROBE_EVERY]
+    # then the budget's spacing: a verified probe's loss (a little under a draft pass) sets it while less
+    assert all(4 * PROBE_EVERY < g <= math.ceil(1.0 / PROBE_BUDGET) for g in gaps[2:])
+    assert policy.failed_probes == len(taken)
+    policy.probed(16, [1.0] * 15)  # the drafts turned right: speculation comes back at once
+    assert policy.choose() > 1 and policy.failed_probes == 0
 
 
 def test_a_probe_is_verified_only_once_speculation_ran_and_where_that_costs_less():

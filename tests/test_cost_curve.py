@@ -122,6 +122,15 @@ def test_another_key_gets_its_own_entry(pair, target_dirs, draft_dir, tmp_path, 
     assert len(counted) == 3  # the first entry survived the others
 
 
+def test_the_blas_thread_count_gets_its_own_entry(pair, monkeypatch):
+    target, draft = pair
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    default = cc.cache_key(target, draft)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    one = cc.cache_key(target, draft)
+    assert one != default and one["device"]["blas_threads"] == {"OPENBLAS_NUM_THREADS": "1"}
+
+
 def test_the_cache_directory_follows_the_environment(pair, tmp_path, monkeypatch, counted):
     target, draft = pair
     monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path / "env"))
