@@ -31,19 +31,21 @@ accepted exactly where it matches them; a sampled one with the rejection
 rule's probability min(1, p/q), as far as the drafts match the tokens drawn.
 Nothing is verified or rolled back, so it costs one draft pass and the
 output is the plain steps' (the cheaper kind where acceptance is low or the
-context long). The first probe comes with the first plain step, so a pair
-whose curve alone says "plain" learns at once whether its drafts would pay.
-Until speculation has run in the generation, the next probes come at the
-spacing at which their loss is ``probe_budget`` of the plain steps' time
-(nothing has shown the drafts pay here: on a long prompt a draft pass can
-cost as much as a plain step, and a short generation would pay for a quick
-succession of probes that find nothing). Once it has run and the text turns
-unpredictable, probes come ``probe_every`` plain steps apart, then twice
-that after a probe that did not bring speculation back, four times after two,
-and so on up to the budget's spacing, so text that turns predictable again
-is found soon and probes that keep finding nothing cost the budget. A
-probe's outcome, either kind, weighs ``PROBE_RATE`` in each c_i it reached,
-more than a speculative cycle's ``RATE``.
+context long). Probes come ``probe_every`` plain steps apart, then twice
+that after a probe that did not bring speculation back, four times after
+two, and so on up to the spacing at which their loss is ``probe_budget`` of
+the plain steps' time, so text that turns predictable again is found soon
+and probes that keep finding nothing cost the budget. Until a speculative
+cycle has paid for itself in the generation (its tokens worth more plain
+steps than it took), the probes after the first keep the budget's spacing:
+nothing has shown the drafts pay here, a long prompt's draft pass can cost
+about a plain step, and a short generation would pay for a quick succession
+of probes that find nothing. The first comes ``probe_every`` plain steps in,
+so a pair whose curve alone says "plain" learns soon whether its drafts
+would pay, from positions past the prompt's end (a draft's first block after
+a chat template is often wrong where later ones are right). A probe's
+outcome, either kind, weighs ``PROBE_RATE`` in each c_i it reached, more
+than a speculative cycle's ``RATE``.
 
 Given the curve, the contexts and the outcomes, the choices are
 deterministic, unless a ``DriftWatch`` (``cost_curve.py``) finds the
@@ -54,7 +56,7 @@ scaled by what it observes.
 import math
 from typing import Optional, Protocol
 
-PRIOR_ACCEPTANCE = 0.6  # c_i before any outcome: tau 2.5 at b = 16, below what trained drafts reach
+PRIOR_ACCEPTANCE = 0.75  # c_i before any outcome: tau 4 at b = 16, below what trained drafts reach (5-7)
 RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycles count)
 PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
 PROBE_BUDGET = 0.01  # the most of the plain steps' time the probes' draft passes may take
@@ -119,12 +121,12 @@ class AdaptiveBlock:
         self.probe_budget = probe_budget
         self.watch = watch
         self.acceptance = [prior] * (max_block - 1)  # c_1 .. c_{max_block-1}
-        self.plain_steps: Optional[int] = None  # cycles at b = 1 since speculation ran or a probe
-        # was taken; None until then (a probe is due at the first plain step)
+        self.plain_steps = 0  # cycles at b = 1 since speculation ran or a probe was taken
         self.context = 0  # tokens in the target's cache at the last choice
         self.due = 0  # the block of a probe due beside this plain step, 0: none
         self.verifying_probe = False  # the block chosen last is a probe, verified
         self.speculated = False  # whether speculation has run (a verified probe may be taken)
+        self.paid = False  # whether a speculative cycle has paid for itself (probes may come fast)
         self.failed_probes = 0  # probes since speculation last ran
         self._prices: tuple = (None, [])  # (what they were read for, seconds at b = 1 .. max_block)
 
@@ -182,15 +184,16 @@ class AdaptiveBlock:
         return draft * (self.watch.factor(probe) if self.watch else 1.0)
 
     def probe_interval(self, probe: int) -> int:
-        """Plain steps from one probe at block ``probe`` to the next: enough
-        that the probe's loss is ``probe_budget`` of their time, and at least
-        ``probe_every``; once speculation has run, at most ``probe_every`` x
-        2^k after k probes that did not bring it back."""
+        """Plain steps before a probe at block ``probe``: enough that the
+        probe's loss is ``probe_budget`` of their time, and at least
+        ``probe_every``; at most ``probe_every`` x 2^k after k probes that did
+        not bring speculation back, once a speculative cycle has paid, or
+        before the first probe."""
         loss = self.drafted_probe_loss(probe)
         if self.speculated:
             loss = min(loss, self.verified_probe_loss(probe))
         interval = math.ceil(loss / (self.probe_budget * self.cycle_seconds(1)))
-        if self.speculated:
+        if self.paid or not self.failed_probes:
             interval = min(interval, self.probe_every * 2**self.failed_probes)
         return max(self.probe_every, interval)
 
@@ -204,10 +207,9 @@ class AdaptiveBlock:
             self.speculated, self.failed_probes = True, 0
             return b
         probe = self.best(low=2, rates=rates)
-        if self.plain_steps is not None:
-            self.plain_steps += 1
-            if self.plain_steps < self.probe_interval(probe):
-                return 1
+        self.plain_steps += 1
+        if self.plain_steps < self.probe_interval(probe):
+            return 1
         self.plain_steps = 0  # a probe is due
         if self.speculated and self.verified_probe_loss(probe) <= self.drafted_probe_loss(probe):
             self.verifying_probe = True  # the tokens it makes pay for more than a draft pass alone
@@ -226,6 +228,8 @@ class AdaptiveBlock:
             self.watch.cycle_done(block_size, self.context)
         # positions 1..accepted were accepted; position accepted+1 (if drafted) was rejected
         hits = ([1.0] * accepted + [0.0])[: block_size - 1]
+        if block_size > 1 and (accepted + 1) * self.cycle_seconds(1) >= self.cycle_seconds(block_size):
+            self.paid = True
         if self.verifying_probe:
             self.probed(block_size, hits)
         else:

@@ -195,6 +195,13 @@ def test_report_schema_and_identity_on_tiny_models(pair, tmp_path):
     text = console.export_text()
     assert "DFlash b=4" in text and "2/2" in text
     assert "distinct-token ratio of the baseline's output" in text
+    assert "acceptance: share of cycles" in text
+    for side in again["summary"]["dflash"].values():  # as if no arm ever accepted a draft (auto on plain steps)
+        side.update(accepted_histogram=[side["cycles"]], position_acceptance=[])
+    console = Console(record=True, width=80)
+    render(again, console)
+    text = console.export_text()
+    assert "acceptance: no arm accepted a draft position" in text and "share of cycles" not in text
 
 
 def test_divergence_is_reported(pair):

@@ -107,7 +107,8 @@ def test_a_probe_is_due_only_while_plain_steps_win():
     assert policy.choose() == 4 and policy.probe() == 0
     policy = AdaptiveBlock(STEEP, 4)
     due = [policy.choose() == 1 and policy.probe() for _ in range(3 * PROBE_EVERY)]
-    assert due[0] > 1  # the first plain step: the curve alone says "plain", the drafts may say otherwise
+    # the curve alone says "plain", the drafts may say otherwise: a probe PROBE_EVERY plain steps in
+    assert due[:PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1) and due[PROBE_EVERY - 1] > 1
     assert all(b in (0, 2, 3, 4) for b in due) and due.count(0) > len(due) / 2
 
 
@@ -126,30 +127,34 @@ def _probe_steps(policy, n):
 
 def test_before_speculation_runs_probes_keep_the_budgets_spacing():
     """A pair whose curve says "plain" from the start: the first probe comes
-    with the first plain step, every next one at the spacing at which a probe
-    costs ``PROBE_BUDGET`` of the plain steps' time."""
+    ``PROBE_EVERY`` plain steps in, every next one at the spacing at which a
+    probe costs ``PROBE_BUDGET`` of the plain steps' time."""
     curve = CostCurve((1, 16), (1.0, 16.0), (0.0, 1.0))  # a draft pass costs a plain step
     taken = _probe_steps(AdaptiveBlock(curve, 4), 400)
-    assert taken[0] == 0
+    assert taken[0] == PROBE_EVERY - 1
     assert {j - i for i, j in zip(taken, taken[1:])} == {math.ceil(1.0 / PROBE_BUDGET)}
 
 
-def test_after_speculation_failing_probes_back_off_to_the_budgets_spacing():
-    """Once speculation has run, probes that do not bring it back come 2x,
-    4x, ... ``PROBE_EVERY`` apart, up to the budget's spacing; speculating
-    again brings them close."""
+@pytest.mark.parametrize("paid", [True, False])
+def test_once_speculation_paid_failing_probes_back_off_to_the_budgets_spacing(paid):
+    """Once a speculative cycle has paid for itself, probes that do not bring
+    speculation back come 2x, 4x, ... ``PROBE_EVERY`` apart, up to the
+    budget's spacing; speculating again brings them close. Speculation that
+    never paid leaves the budget's spacing from the second probe on."""
     policy = AdaptiveBlock(Linear(1.0, 0.0, 1.0), 16)  # a draft pass costs a plain step, verifying is free
     b = policy.choose()
     assert b > 1  # the prior says speculate
+    policy.update(b, 1 if paid else 0)  # 2 tokens for 2 plain steps' time: paid; 1: not
+    b = policy.choose()
     while b > 1:  # until rejections turn it off
         policy.update(b, 0)
         b = policy.choose()
     assert policy.probe() == 0  # the plain step right after speculation
     taken = _probe_steps(policy, 400)
     gaps = [j - i for i, j in zip(taken, taken[1:])]
-    assert gaps[:2] == [2 * PROBE_EVERY, 4 * PROBE_EVERY]
-    # then the budget's spacing: a verified probe's loss (a little under a draft pass) sets it while less
-    assert all(4 * PROBE_EVERY < g <= math.ceil(1.0 / PROBE_BUDGET) for g in gaps[2:])
+    budget = math.ceil(1.0 / PROBE_BUDGET)  # a drafted probe's spacing; a verified one's loss is a little less
+    fast = [2 * PROBE_EVERY, 4 * PROBE_EVERY] if paid else []
+    assert gaps[:len(fast)] == fast and all(4 * PROBE_EVERY < g <= budget for g in gaps[len(fast):])
     assert policy.failed_probes == len(taken)
     policy.probed(16, [1.0] * 15)  # the drafts turned right: speculation comes back at once
     assert policy.choose() > 1 and policy.failed_probes == 0
@@ -158,7 +163,7 @@ def test_after_speculation_failing_probes_back_off_to_the_budgets_spacing():
 def test_a_probe_is_verified_only_once_speculation_ran_and_where_that_costs_less():
     curve = CostCurve((1, 16), (1.0, 1.0), (0.0, 2.0))  # verifying is free, drafting dear
     policy = AdaptiveBlock(curve, 4)
-    assert policy.choose() == 1 and policy.probe() > 1  # no acceptance measured yet: only drafted
+    assert [policy.choose() == 1 and policy.probe() for _ in range(PROBE_EVERY)][-1] > 1  # only drafted
     policy.acceptance = [1.0] * 3
     assert policy.choose() == 4  # speculating
     for _ in range(3):

@@ -76,15 +76,18 @@ def render(report: dict, console) -> None:
             t.add_row(c, *cells)
         console.print(t)
 
-    t = Table(title="acceptance: share of cycles whose draft position (tree depth) i was accepted, P(a >= i)")
-    t.add_column("arm")
     width = max(len(side["accepted_histogram"]) for side in summ["dflash"].values())
-    for i in range(1, width):
-        t.add_column(str(i), justify="right")
-    for b, side in sides:
-        pa = side["position_acceptance"]
-        t.add_row(b, *[f"{x:.2f}" for x in pa], *[""] * (width - 1 - len(pa)))
-    console.print(t)
+    if width > 1:
+        t = Table(title="acceptance: share of cycles whose draft position (tree depth) i was accepted, P(a >= i)")
+        t.add_column("arm")
+        for i in range(1, width):
+            t.add_column(str(i), justify="right")
+        for b, side in sides:
+            pa = side["position_acceptance"]
+            t.add_row(b, *[f"{x:.2f}" for x in pa], *[""] * (width - 1 - len(pa)))
+        console.print(t)
+    else:  # a table of no positions would squeeze its title into the arm column
+        console.print("acceptance: no arm accepted a draft position")
     for b, side in sides:
         hist = side["accepted_histogram"]
         console.print(f"accepted drafts per cycle, {b} (a = 0..{len(hist) - 1}): {hist}")

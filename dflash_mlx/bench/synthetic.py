@@ -121,13 +121,16 @@ def _prefix_cache(target: Target, prompt: mx.array) -> list:
     return cache
 
 
-def _autoregressive(model, prompt: mx.array, prefix: list, n: int) -> tuple[list[int], float]:
-    """mlx-lm's greedy tokens after ``prefix`` (a cache of all but the prompt's
-    last token) and its decode speed (tokens after the first over the time after it)."""
+def _autoregressive(model, prompt: mx.array, n: int, prefix: Optional[list] = None) -> tuple[list[int], float]:
+    """mlx-lm's greedy tokens and its decode speed (tokens after the first over
+    the time after it); with ``prefix`` (a cache of all but the prompt's last
+    token, ``_prefix_cache``) only the last token is fed, to a copy of it."""
     from mlx_lm.generate import generate_step
 
+    if prefix is not None:
+        prompt, prefix = prompt[-1:], copy.deepcopy(prefix)
     tokens, tic = [], None
-    for token, _ in generate_step(prompt[-1:], model, max_tokens=n, prompt_cache=copy.deepcopy(prefix)):
+    for token, _ in generate_step(prompt, model, max_tokens=n, prompt_cache=prefix):
         tokens.append(token)
         if tic is None:
             tic = time.perf_counter()
@@ -177,7 +180,7 @@ def run_synthetic(block_sizes: list[int], max_tokens: int, model=None, context: 
     target = Target(model)
     prompt = mx.arange(context, dtype=mx.int32) * 7 % target.vocab_size
     prefix = _prefix_cache(target, prompt)
-    runs = [_autoregressive(model, prompt, prefix, max_tokens + max(block_sizes) + 1) for _ in range(RUNS)]
+    runs = [_autoregressive(model, prompt, max_tokens + max(block_sizes) + 1, prefix) for _ in range(RUNS)]
     continuation, ar_tps = runs[0][0], max(tps for _, tps in runs)
     rows = []
     for b in block_sizes:
