@@ -28,6 +28,7 @@ does not parse, does not hold that exact key or holds an invalid curve is
 measured again and rewritten, never trusted.
 """
 
+import functools
 import hashlib
 import json
 import math
@@ -144,7 +145,9 @@ def model_signature(config: dict, module) -> str:
     return _digest({"config": config, "weights": weights})
 
 
+@functools.lru_cache(maxsize=None)
 def _version() -> str:
+    """The installed dflash-mlx's version (read once: about 1 ms a lookup, on every auto generation)."""
     from importlib import metadata
 
     try:
