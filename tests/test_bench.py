@@ -76,6 +76,21 @@ def test_run_bench_calls_runners_in_schedule_order():
 
 # ---------------------------------------------------------------- identity
 
+def test_a_run_is_timed_to_its_last_response_not_past_it():
+    now = [0.0]
+
+    def responses():
+        now[0] = 1.0
+        yield "first"
+        now[0] = 3.0
+        yield "last"
+        now[0] = 10.0  # work after the last response (DFlash's closing sync) is off the clock
+
+    assert runs._timed(responses(), clock=lambda: now[0]) == (["first", "last"], 1.0, 3.0)
+    now[0] = 0.0
+    assert runs._timed(iter(()), clock=lambda: now[0]) == ([], 0.0, 0.0)
+
+
 def test_compare_tokens():
     assert summary.compare_tokens([1, 2, 3], [1, 2, 3]) == {"identical": True, "first_divergence": None}
     d = summary.compare_tokens([1, 2, 3, 4], [1, 2, 9, 4])

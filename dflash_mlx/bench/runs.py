@@ -11,16 +11,21 @@ from .schedule import BASELINE, DFLASH, Arm, Step, schedule
 from .summary import make_pairs, summarize
 
 
-def _timed(responses: Iterable) -> tuple[list, float, float]:
-    """Drain a generator; (responses, seconds to the first one, seconds to the last)."""
-    out, first = [], None
-    tic = time.perf_counter()
+def _timed(responses: Iterable, clock: Callable[[], float] = time.perf_counter) -> tuple[list, float, float]:
+    """Drain a generator; (responses, seconds to the first one, seconds to the
+    last one). What a generator does after its last response is off the clock,
+    as the step both sides queue ahead and never wait for is (``_fresh``):
+    DFlash's generator waits for its stream on leaving, mlx-lm's does not."""
+    out, first, last = [], None, None
+    tic = clock()
     for r in responses:
+        last = clock() - tic
         if first is None:
-            first = time.perf_counter() - tic
+            first = last
         out.append(r)
-    total = time.perf_counter() - tic
-    return out, (total if first is None else first), total
+    if last is None:  # no response at all
+        first = last = clock() - tic
+    return out, first, last
 
 
 def _record(prompt_tokens: int, tokens: list[int], finish: Optional[str], first_s: float,
