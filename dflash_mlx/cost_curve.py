@@ -30,6 +30,7 @@ measured again and rewritten, never trusted.
 
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -320,15 +321,21 @@ def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
     far = near if far_context is None else _pass_seconds(target, draft, sizes, far_context, budget_s / 2)
     span = max((far_context or CONTEXT) - CONTEXT, 1)
 
-    def column(kind: str, table: dict) -> tuple[float, ...]:
-        return tuple(0.0 if (b, kind) not in table else table[b, kind] for b in sizes)
-
     def slope(kind: str, first: int) -> tuple[float, ...]:
-        raw = [(f - n) / span for f, n in zip(column(kind, far), column(kind, near))]
+        raw = [(f - n) / span for f, n in zip(pass_column(far, kind, sizes), pass_column(near, kind, sizes))]
         return (0.0,) * first + slope_line(sizes[first:], raw[first:])
 
-    return CostCurve(tuple(sizes), column("target", near), column("draft", near), CONTEXT,
-                     slope("target", 0), slope("draft", 1), _inject_seconds(target, draft))
+    return CostCurve(tuple(sizes), pass_column(near, "target", sizes), pass_column(near, "draft", sizes),
+                     CONTEXT, slope("target", 0), slope("draft", 1), _inject_seconds(target, draft))
+
+
+def pass_column(table: dict, kind: str, sizes: tuple[int, ...]) -> tuple[float, ...]:
+    """One kind's seconds at each size from ``{(b, kind): seconds}`` (0 where
+    not timed), never less than at a smaller size: a pass over more tokens
+    does not cost less, so a repeat that ran fast by chance at a large b (a
+    curve measured on a busy machine once priced b = 16 below b = 12) is
+    lifted to the largest time before it."""
+    return tuple(itertools.accumulate((table.get((b, kind), 0.0) for b in sizes), max))
 
 
 def slope_line(sizes, slopes) -> tuple[float, ...]:

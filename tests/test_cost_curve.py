@@ -122,6 +122,14 @@ def test_another_key_gets_its_own_entry(pair, target_dirs, draft_dir, tmp_path, 
     assert len(counted) == 3  # the first entry survived the others
 
 
+def test_a_column_never_prices_a_larger_pass_below_a_smaller_one():
+    sizes = (1, 2, 4, 8, 12, 16)
+    seconds = dict(zip(sizes, (3.8, 10.7, 12.3, 14.7, 18.9, 12.5)))  # a re-measure on a busy machine
+    table = {(b, "target"): t for b, t in seconds.items()} | {(b, "draft"): 1.0 for b in sizes if b > 1}
+    assert cc.pass_column(table, "target", sizes) == (3.8, 10.7, 12.3, 14.7, 18.9, 18.9)
+    assert cc.pass_column(table, "draft", sizes) == (0.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+
+
 def test_the_blas_thread_count_gets_its_own_entry(pair, monkeypatch):
     target, draft = pair
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
