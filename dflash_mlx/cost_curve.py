@@ -22,8 +22,9 @@ The cache lives under ``$DFLASH_MLX_CACHE_DIR`` (meant for tests), else
 ``$XDG_CACHE_HOME/dflash-mlx`` or ``~/.cache/dflash-mlx``, one JSON file per
 key. The key holds the device (backend, default device, ``LD_PRELOAD``, which
 picks the BLAS on Linux, and the BLAS thread counts set in the environment:
-one OpenBLAS thread against two changes every pass's time), the MLX and dflash-mlx versions, and a hash of each
-model's config and of its weights' names, shapes and dtypes. An entry that
+one OpenBLAS thread against two changes every pass's time), the MLX and
+dflash-mlx versions, and a hash of each model's config and of its weights'
+names, shapes and dtypes. An entry that
 does not parse, does not hold that exact key or holds an invalid curve is
 measured again and rewritten, never trusted.
 """
@@ -166,7 +167,7 @@ def cache_key(target: Target, draft: DFlashDraft) -> dict:
     return {
         "device": {"backend": backend, "default": str(mx.default_device()),
                    "ld_preload": os.environ.get("LD_PRELOAD"),
-                   "blas_threads": {k: os.environ.get(k) for k in BLAS_THREADS if os.environ.get(k)}},
+                   "blas_threads": {k: v for k in BLAS_THREADS if (v := os.environ.get(k))}},
         "mlx": mx.__version__,
         "dflash_mlx": _version(),
         "target": model_signature(vars(target.args), target.model),

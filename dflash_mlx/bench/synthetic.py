@@ -23,7 +23,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..decoder import SpeculativeDecoder
+from ..decoder import SpeculativeDecoder, prefill_chunks
 from ..target import Target
 from .render import console
 
@@ -115,8 +115,8 @@ def _prefix_cache(target: Target, prompt: mx.array) -> list:
     loop's chunks: prefilled once per context, copied into every run (only
     decode is timed, and a long context's prefill is most of a run's time)."""
     cache = target.make_cache()
-    for start in range(0, prompt.size - 1, PREFILL_STEP):
-        target.forward(prompt[None, start : min(start + PREFILL_STEP, prompt.size - 1)], cache, [0])
+    for start, stop in prefill_chunks(0, prompt.size, PREFILL_STEP)[:-1]:  # the last: the prompt's last token
+        target.forward(prompt[None, start:stop], cache, [0])
         mx.eval([c.state for c in cache])
     return cache
 
