@@ -179,15 +179,22 @@ class Probe:
     q: Optional[mx.array]  # [b-1, V] the log-probabilities they were drawn from (None: greedy)
     finite: mx.array  # whether the draft's logits were sound
     hits: list = field(default_factory=list)  # per position judged: the probability it would be accepted
+    ids: Optional[list[int]] = None  # ``drafted`` read once to the host
 
     def judge(self, token: int, logits: mx.array, sampler: BlockSampler) -> Optional[list[float]]:
         """Judge the next draft position against the target's own ``token``,
         chosen from processed ``logits`` [1, V]. Once the drafts part from the
-        tokens or all are judged: the hits (none for an unsound draft), else None."""
+        tokens or all are judged: the hits (none for an unsound draft), else None.
+
+        The drafts are read whole, with no new op: slicing one out would queue
+        behind the plain step already in flight and wait for it, so the host
+        would queue the step after it late (about 1 ms a judged position)."""
+        if self.ids is None:
+            self.ids = self.drafted.tolist()
         i = len(self.hits)
-        drafted = self.drafted[i].item()
+        drafted = self.ids[i]
         self.hits.append(sampler.acceptance(logits, token, drafted, None if self.q is None else self.q[i]))
-        if token == drafted and len(self.hits) < self.drafted.size:
+        if token == drafted and len(self.hits) < len(self.ids):
             return None
         if not self.finite.item():
             return [0.0] * len(self.hits)
