@@ -55,14 +55,14 @@ SCHEMA = "dflash-mlx-cost-curve"
 SCHEMA_VERSION = 2  # 2: context slopes and the injection of a plain step's position
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # measured where they fit the draft's trained size
 CONTEXT = 64  # tokens in the caches while measuring
-LONG_CONTEXT = 1024  # the second context timed, for the slopes
+LONG_CONTEXT = 2048  # the second context timed, for the slopes
 INJECT_BATCH = 64  # positions injected in one batch while measuring inject_s
 DRIFT = 1.5  # observed over predicted cycle seconds past this, or under its inverse: drifted
 DRIFT_WINDOW = 32  # the last cycles of a kind (plain, speculative) whose median ratio is judged
 BUDGET_S = 1.0  # about this long for the whole measurement
 MAX_REPEATS = 5
 BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # in the key when set
-PLAIN_STEPS = 8  # plain steps timed in a row for b = 1
+PLAIN_STEPS = 24  # plain steps timed in a row for b = 1 (their median)
 
 
 @dataclass(frozen=True)
@@ -230,27 +230,40 @@ def _median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _plain_step_seconds(target: Target, draft: DFlashDraft, prompt: mx.array) -> float:
-    """Seconds per plain target step (b = 1) in a run of them, pipelined as the
-    loop runs them: each queued before the host waits for the one before. A
-    decoder of its own, so the caller's cache stays as it is."""
-    plain = SpeculativeDecoder(target, proposer_for(draft, target), draft.config.target_layer_ids, 1)
-    plain.prefill(prompt)
+def plain_step_seconds(decoder: SpeculativeDecoder, steps: int = PLAIN_STEPS,
+                       clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of a plain target step (b = 1) of a prefilled ``decoder`` at
+    block 1, pipelined as the loop runs them (each queued before the host
+    waits for the one before): the median of ``steps`` steps in a row, each
+    timed from the end of the one before, so a step another thread or process
+    held up does not move the price (a mean of 8 put the demo target's step
+    at 1k tokens anywhere from 4.2 to 6.5 ms, and the slope it gave drifted
+    whole runs into a new measurement)."""
     for _ in range(2):  # warm-up; the timed run starts with a step in flight, as in a long run
-        plain.cycle()
-    tic = time.perf_counter()
-    for _ in range(PLAIN_STEPS):
-        plain.cycle()
-    seconds = (time.perf_counter() - tic) / PLAIN_STEPS
-    plain.close()
-    return seconds
+        decoder.cycle()
+    times, last = [], clock()
+    for _ in range(steps):
+        decoder.cycle()
+        now = clock()
+        times.append(now - last)
+        last = now
+    decoder.close()
+    return statistics.median(times)
+
+
+def fed_past_context(sizes: tuple[int, ...]) -> int:
+    """Positions measuring feeds past a context: the plain steps (warm-up,
+    timed, and the one queued after them), one kept by each target pass, and
+    the largest block."""
+    return 3 + PLAIN_STEPS + (1 + MAX_REPEATS) * (len(sizes) - 1) + max(sizes)
 
 
 def long_context(target: Target, sizes: tuple[int, ...]) -> Optional[int]:
     """The second context timed: ``LONG_CONTEXT``, or what the target's
     positions leave room for; None when that is too short to tell a slope."""
-    room = getattr(target.args, "max_position_embeddings", None) or LONG_CONTEXT + max(sizes) + PLAIN_STEPS + 2
-    n = min(LONG_CONTEXT, room - max(sizes) - PLAIN_STEPS - 2)
+    fed = fed_past_context(sizes)
+    room = getattr(target.args, "max_position_embeddings", None) or LONG_CONTEXT + fed
+    n = min(LONG_CONTEXT, room - fed)
     return n if n >= 4 * CONTEXT else None
 
 
@@ -258,17 +271,18 @@ def _pass_seconds(target: Target, draft: DFlashDraft, sizes: tuple[int, ...], co
                   budget_s: float) -> dict:
     """{(b, "target"|"draft"): seconds} with ``context`` tokens in the caches:
     each pass at each size b > 1 warmed up once, then as many repeats (1 to
-    ``MAX_REPEATS``) as fit the budget, the median; b = 1: ``PLAIN_STEPS``
-    plain steps in a row."""
+    ``MAX_REPEATS``) as fit the budget, the median; b = 1: the median of
+    ``PLAIN_STEPS`` plain steps in a row, taken first, on the caches the
+    passes then use (one prefill for both)."""
     layer_ids = draft.config.target_layer_ids
-    proposer = proposer_for(draft, target)
     greedy = BlockSampler(SamplingParams())
-    cache = target.make_cache()
+    proposer = proposer_for(draft, target)
     tokens = mx.arange(context + max(sizes), dtype=mx.int32) % target.vocab_size
-    out = target.forward(tokens[None, :context], cache, layer_ids)
-    proposer.observe(out.features, tokens[:context])
-    mx.eval([c.state for c in cache], [c.state for c in proposer.cache])
-    y = tokens[context - 1 : context]
+    plain = SpeculativeDecoder(target, proposer, layer_ids, 1)  # its prefill serves the passes too
+    plain.prefill(tokens[:context])
+    plain_seconds = plain_step_seconds(plain)
+    cache = plain.cache  # now holds the context and the plain steps, all injected into the draft's
+    y = plain.pending
 
     def target_pass(b: int) -> None:
         block = tokens[context : context + b]
@@ -290,7 +304,7 @@ def _pass_seconds(target: Target, draft: DFlashDraft, sizes: tuple[int, ...], co
     warm = time.perf_counter() - tic
     repeats = max(1, min(MAX_REPEATS, int(max(budget_s - warm, 0) / max(warm, 1e-9))))
     seconds = {(b, kind): _median_seconds(lambda: run(b), repeats) for b, kind, run in passes}
-    seconds[1, "target"] = _plain_step_seconds(target, draft, tokens[:context])
+    seconds[1, "target"] = plain_seconds
     return seconds
 
 
@@ -352,8 +366,8 @@ def slope_line(sizes, slopes) -> tuple[float, ...]:
 
 def cost_curve(target: Target, draft: DFlashDraft, directory: Optional[os.PathLike] = None,
                refresh: bool = False) -> CostCurve:
-    """The pair's curve on this machine: from the cache, else measured (about a
-    second) and cached. ``refresh`` measures again whatever the cache holds."""
+    """The pair's curve on this machine: from the cache, else measured (a few
+    seconds) and cached. ``refresh`` measures again whatever the cache holds."""
     key = cache_key(target, draft)
     path = cache_path(key, directory)
     curve = None if refresh else read_cached(path, key)

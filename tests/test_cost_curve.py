@@ -72,6 +72,18 @@ def test_a_real_measurement_gives_a_valid_curve_over_the_trained_sizes(pair, tmp
     assert cc.cost_curve(target, draft, tmp_path) == curve  # read back, not measured again
 
 
+def test_a_plain_step_is_priced_at_the_median_step_so_one_held_up_step_does_not_move_it(pair):
+    from dflash_mlx.decoder import SpeculativeDecoder, proposer_for
+
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, proposer_for(draft, target), draft.config.target_layer_ids, 1)
+    decoder.prefill(mx.arange(40, dtype=mx.int32))
+    ticks = iter([0.0, 1.0, 2.0, 12.0, 13.0, 14.0])  # the third of five steps held up for 10 s
+    assert cc.plain_step_seconds(decoder, steps=5, clock=lambda: next(ticks)) == 1.0  # the mean is 2.8
+    assert len(decoder.tokens) == 40 + 2 + 5 + 1  # warm-up, timed, and the step queued after them
+    assert decoder.proposer.cache[0].offset == len(decoder.tokens)  # closed: every position injected
+
+
 def test_cached_once_then_reused(pair, tmp_path, counted):
     target, draft = pair
     assert cc.cost_curve(target, draft, tmp_path) == SYNTHETIC
@@ -219,7 +231,10 @@ def test_slopes_are_one_line_over_the_sizes():
 def test_the_long_context_fits_the_targets_positions(pair):
     target, _ = pair
     sizes = (1, 2, 4, 8)
-    assert cc.long_context(target, sizes) == min(cc.LONG_CONTEXT, target.args.max_position_embeddings - 8 - 10)
+    positions = target.args.max_position_embeddings
+    n = cc.long_context(target, sizes)
+    assert n == min(cc.LONG_CONTEXT, positions - cc.fed_past_context(sizes))
+    assert n + cc.fed_past_context(sizes) <= positions
     target.args.max_position_embeddings, saved = 200, target.args.max_position_embeddings
     try:
         assert cc.long_context(target, sizes) is None  # too short to tell a slope from the noise
