@@ -128,6 +128,7 @@ class AdaptiveBlock:
         self.speculated = False  # whether speculation has run (a verified probe may be taken)
         self.paid = False  # whether a speculative cycle has paid for itself (probes may come fast)
         self.failed_probes = 0  # probes since speculation last ran
+        self.probed_before = False  # whether a probe has been judged in this generation
         self._prices: tuple = (None, [])  # (what they were read for, seconds at b = 1 .. max_block)
 
     def cycle_seconds(self, b: int) -> float:
@@ -188,12 +189,14 @@ class AdaptiveBlock:
         probe's loss is ``probe_budget`` of their time, and at least
         ``probe_every``; at most ``probe_every`` x 2^k after k probes that did
         not bring speculation back, once a speculative cycle has paid, or
-        before the first probe."""
+        before the generation's first probe (speculation that ran without
+        paying does not bring the fast spacing back: it would verify a probe
+        every ``probe_every`` steps, each a lost cycle where the drafts fail)."""
         loss = self.drafted_probe_loss(probe)
         if self.speculated:
             loss = min(loss, self.verified_probe_loss(probe))
         interval = math.ceil(loss / (self.probe_budget * self.cycle_seconds(1)))
-        if self.paid or not self.failed_probes:
+        if self.paid or not self.probed_before:
             interval = min(interval, self.probe_every * 2**self.failed_probes)
         return max(self.probe_every, interval)
 
@@ -241,6 +244,7 @@ class AdaptiveBlock:
         it there. Until speculation runs again it counts as failed."""
         self._learn(hits, PROBE_RATE)
         self.failed_probes += 1
+        self.probed_before = True
 
     def _learn(self, hits: list[float], rate: float) -> None:
         for i, hit in enumerate(hits[: self.max_block - 1]):

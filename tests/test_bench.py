@@ -237,6 +237,25 @@ def test_divergence_is_reported(pair):
     assert d["baseline"] == base[3] and d["dflash"] == (base[3] + 1) % 500
 
 
+@pytest.mark.parametrize("draft_ms, plain", [(1000.0, True), (0.001, False)])
+def test_auto_runs_price_their_blocks_on_the_curve_the_bench_holds(pair, tmp_path, monkeypatch, draft_ms, plain):
+    """Given a curve, every auto run prices on it and none measures one (a
+    measurement inside a timed run would land in its prefill): a draft priced
+    dear keeps every cycle plain, one priced nearly free speculates."""
+    from dflash_mlx import cost_curve as cc
+
+    model, draft, tokenizer = pair
+    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))  # nothing cached: a run reading it would measure
+    measured = []
+    monkeypatch.setattr(cc, "measure", lambda *a, **k: measured.append(a) or cc.CostCurve((1, 4), (1.0, 1.0), (0.0, 1.0)))
+    curve = cc.CostCurve((1, 4), (0.01, 0.011), (0.0, draft_ms / 1000))
+    result = runs.run_bench(model, draft, tokenizer, PROMPTS, arms=[Arm("auto")], max_tokens=12,
+                            chat_template=False, warmup_tokens=2, cost_curve=curve)
+    blocks = [b for r in result["runs"] if r["arm"] == DFLASH for b in r["blocks"]]
+    assert measured == [] and blocks
+    assert (set(blocks) == {1}) is plain
+
+
 def test_divergence_from_another_target(pair, tmp_path):
     """The baseline side runs a differently seeded target: the mismatch shows."""
     model, draft, tokenizer = pair

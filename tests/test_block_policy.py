@@ -140,7 +140,9 @@ def test_once_speculation_paid_failing_probes_back_off_to_the_budgets_spacing(pa
     """Once a speculative cycle has paid for itself, probes that do not bring
     speculation back come 2x, 4x, ... ``PROBE_EVERY`` apart, up to the
     budget's spacing; speculating again brings them close. Speculation that
-    never paid leaves the budget's spacing from the second probe on."""
+    never paid leaves the budget's spacing, from the first probe after it on
+    (that one is the generation's first: the first after the policy's own
+    prior turned speculation off)."""
     policy = AdaptiveBlock(Linear(1.0, 0.0, 1.0), 16)  # a draft pass costs a plain step, verifying is free
     b = policy.choose()
     assert b > 1  # the prior says speculate
@@ -154,10 +156,29 @@ def test_once_speculation_paid_failing_probes_back_off_to_the_budgets_spacing(pa
     gaps = [j - i for i, j in zip(taken, taken[1:])]
     budget = math.ceil(1.0 / PROBE_BUDGET)  # a drafted probe's spacing; a verified one's loss is a little less
     fast = [2 * PROBE_EVERY, 4 * PROBE_EVERY] if paid else []
+    assert taken[0] == PROBE_EVERY - 2  # the generation's first probe (one plain step came before)
     assert gaps[:len(fast)] == fast and all(4 * PROBE_EVERY < g <= budget for g in gaps[len(fast):])
     assert policy.failed_probes == len(taken)
     policy.probed(16, [1.0] * 15)  # the drafts turned right: speculation comes back at once
     assert policy.choose() > 1 and policy.failed_probes == 0
+
+
+def test_speculation_that_did_not_pay_leaves_the_next_probe_at_the_budgets_spacing():
+    """A probe's right drafts start speculation, whose first cycle fails: the
+    next probe (verified, its expected loss small) comes at the budget's
+    spacing for that loss, not ``PROBE_EVERY`` steps on (each such probe is a
+    cycle lost when the drafts keep failing)."""
+    curve = CostCurve((1, 16), (1.0, 6.0), (0.0, 1.0))  # the prior says plain; three right drafts, speculate
+    policy = AdaptiveBlock(curve, 4)
+    assert [policy.choose() == 1 and policy.probe() for _ in range(PROBE_EVERY)][-1] == 4
+    policy.probed(4, [1.0, 1.0, 1.0])
+    b = policy.choose()
+    assert b > 1
+    policy.update(b, 0)
+    assert policy.choose() == 1 and not policy.paid
+    loss = policy.verified_probe_loss(policy.best(low=2))
+    assert _probe_steps(policy, 400)[0] == math.ceil(loss / PROBE_BUDGET) - 2  # one plain step came before
+    assert PROBE_EVERY < math.ceil(loss / PROBE_BUDGET)
 
 
 def test_a_probe_is_verified_only_once_speculation_ran_and_where_that_costs_less():

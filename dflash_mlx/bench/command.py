@@ -210,11 +210,9 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
         chosen = context_prompts(tokenizer, contexts, limit or PROMPTS_PER_CONTEXT)
     if chat_template and has_template(tokenizer):
         err.print(thinking_note(thinking), markup=False, highlight=False)
-    if validate.AUTO in block_sizes:  # measured (or read) here, off the clock of every run
-        if launch:
-            shared_cost_curve(target, dft, launch.group)
-        else:
-            cost_curve(Target(target), dft)
+    curve = None
+    if validate.AUTO in block_sizes:  # measured (or read) here, off the clock of every run, and held
+        curve = shared_cost_curve(target, dft, launch.group) if launch else cost_curve(Target(target), dft)
     steps = (len(chosen) * repeat + int(warmup)) * (1 + len(dflash_arms))
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TimeRemainingColumn())
@@ -233,6 +231,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
                            max_tokens=max_tokens, repeat=repeat, sampling=sampling,
                            chat_template=chat_template, enable_thinking=thinking,
                            warmup_tokens=16 if warmup else 0, on_step=on_step, draft_vocab=draft_vocab, kv=kv,
+                           cost_curve=curve,
                            runners=sharded_runners(launch) if launch else None)
         progress.advance(task)
     config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,
@@ -242,7 +241,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
               "categories": categories, "limit": limit, "warmup": warmup,
               "draft_trained_block_size": trained, "draft_vocab": draft_vocab, "draft_dtype": dtype_name(dft),
               "draft_architecture": "dflash2" if is_dflash2(draft_config) else "v1",
-              "contexts": contexts, "kv": kv,
+              "contexts": contexts, "kv": kv, "cost_curve": curve.to_dict() if curve else None,
               "distributed": f"{launch.mode} x{launch.group.size()}" if launch else None}
     report = make_report(result, config, machine_info())
     validate_report(report)

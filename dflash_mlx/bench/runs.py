@@ -89,11 +89,13 @@ def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: di
 
 def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_size: int,
                sampling: dict, tree_budget: Optional[int] = None, draft_vocab: Optional[int] = None,
-               kv: Optional[dict] = None, stream: Optional[Callable] = None) -> dict:
+               kv: Optional[dict] = None, stream: Optional[Callable] = None, cost_curve=None) -> dict:
     """DFlash ``stream_generate`` (a DDTree of ``tree_budget`` nodes per cycle
     if given, else the chain; drafting over ``draft_vocab`` ids if given); adds
     the per-cycle accepted draft counts. ``stream`` replaces ``stream_generate``
-    (a rank of a distributed launch: ``distributed.Launch.stream_generate``)."""
+    (a rank of a distributed launch: ``distributed.Launch.stream_generate``).
+    ``cost_curve``: ``auto``'s, held fixed (None: the pair's cached one,
+    watched for drift)."""
     from ..generate import stream_generate
 
     _fresh()
@@ -101,7 +103,7 @@ def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_s
         model, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens,
         temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
         min_p=sampling["min_p"], seed=sampling.get("seed"), tree_budget=tree_budget,
-        draft_vocab=draft_vocab, **(kv or {})))
+        draft_vocab=draft_vocab, cost_curve=cost_curve, **(kv or {})))
     tokens = [t for r in responses for t in r.tokens]
     last = responses[-1] if responses else None
     rec = _record(len(ids), tokens, last.finish_reason if last else None, first, total, last)
@@ -123,7 +125,7 @@ def run_bench(
     repeat: int = 1, sampling: Optional[dict] = None, chat_template: bool = True,
     enable_thinking: Optional[bool] = None, warmup_tokens: int = 16,
     on_step: Optional[Callable[[str], None]] = None, runners: Optional[dict] = None,
-    draft_vocab: Optional[int] = None, kv: Optional[dict] = None,
+    draft_vocab: Optional[int] = None, kv: Optional[dict] = None, cost_curve=None,
 ) -> dict:
     """Run the schedule over the DFlash ``arms``; returns prompts, runs, pairs
     and the summary.
@@ -134,8 +136,12 @@ def run_bench(
     progress display. ``runners`` replaces ``{"baseline": run_baseline, "dflash":
     run_dflash}`` (tests give the baseline another target, for instance).
     ``draft_vocab`` N: every DFlash arm drafts over the N top-ranked ids.
-    ``kv``: both sides quantize the KV cache with these mlx-lm arguments. A
-    prompt with ``ids`` is fed as those ids, without a chat template.
+    ``kv``: both sides quantize the KV cache with these mlx-lm arguments.
+    ``cost_curve``: every ``auto`` run prices its blocks on it, held fixed
+    (without it each run reads the pair's cached curve, and a drift inside
+    one would have the next measure the curve again inside its timed
+    prefill, on whatever else the machine was doing then). A prompt with
+    ``ids`` is fed as those ids, without a chat template.
     """
     sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0, **(sampling or {})}
     runners = {BASELINE: run_baseline, DFLASH: run_dflash, **(runners or {})}
@@ -154,13 +160,14 @@ def run_bench(
                else template_ids(tokenizer, p["prompt"], enable_thinking=enable_thinking) if chat_template
                else encode(tokenizer, p["prompt"]) for p in prompts]
     quantized = {"kv": kv} if kv else {}
+    curve = {"cost_curve": cost_curve} if cost_curve is not None else {}
 
     def call(step: Step, tokens: int) -> dict:
         ids = encoded[step.prompt]
         if step.arm == BASELINE:
             return runners[BASELINE](model, tokenizer, ids, tokens, sampling, **quantized)
         return runners[DFLASH](model, draft, tokenizer, ids, tokens, step.block_size, sampling,
-                               tree_budget=step.tree_budget, draft_vocab=draft_vocab, **quantized)
+                               tree_budget=step.tree_budget, draft_vocab=draft_vocab, **quantized, **curve)
 
     if warmup_tokens > 0:  # untimed: weights paged in, kernels and buffers allocated
         for step in schedule(1, 1, arms):
