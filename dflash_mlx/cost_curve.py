@@ -236,10 +236,10 @@ def plain_step_seconds(decoder: SpeculativeDecoder, steps: int = PLAIN_STEPS,
     block 1, pipelined as the loop runs them (each queued before the host
     waits for the one before): the median of ``steps`` steps in a row, each
     timed from the end of the one before, so a step another thread or process
-    held up does not move the price (four measurements of the demo target's
-    step at 1k tokens, one thread: 5.2-6.5 ms as a mean of 8, 5.1-5.6 ms as
-    this median; the slopes of the first drifted whole runs into a new
-    measurement)."""
+    held up does not move the price (four curves' price of the demo target's
+    step at 1k tokens, one thread: 5.2-6.5 ms from a mean of 8 at 1,024
+    tokens, 5.1-5.6 ms from this median at 2,048; such slopes drifted whole
+    runs into a new measurement)."""
     for _ in range(2):  # warm-up; the timed run starts with a step in flight, as in a long run
         decoder.cycle()
     times, last = [], clock()
