@@ -13,7 +13,10 @@ tokens are the target's own (greedy), or distributed as its own sampling.
 
 where c_i is the acceptance probability of draft position i given positions
 before it were accepted, an exponential moving average over the cycles that
-reached position i (starting from a conservative prior), and the times come
+reached position i (starting from a prior; until an outcome has moved it,
+speculation must beat plain steps by ``PRIOR_MARGIN``: the prior is a
+guess, and where it promises a few percent a failed cycle costs several
+plain steps, while the first probe learns the truth), and the times come
 from the pair's measured cost curve (``cost_curve.py``) at the current
 context length (attention makes every pass dearer as the context grows). b = 1
 is a plain target step with no draft pass (its price includes injecting its
@@ -60,6 +63,7 @@ PRIOR_ACCEPTANCE = 0.75  # c_i before any outcome: tau 4 at b = 16, below what t
 RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycles count)
 PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
 PROBE_BUDGET = 0.01  # the most of the plain steps' time the probes' draft passes may take
+PRIOR_MARGIN = 0.2  # on the prior alone, speculation must beat plain steps by this share
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
 
@@ -126,6 +130,7 @@ class AdaptiveBlock:
         self.due = 0  # the block of a probe due beside this plain step, 0: none
         self.verifying_probe = False  # the block chosen last is a probe, verified
         self.speculated = False  # whether speculation has run (a verified probe may be taken)
+        self.learned = False  # whether any outcome has moved the acceptance off the prior
         self.paid = False  # whether a speculative cycle has paid for itself (probes may come fast)
         self.failed_probes = 0  # probes since speculation last ran
         self.probed_before = False  # whether a probe has been judged in this generation
@@ -203,6 +208,8 @@ class AdaptiveBlock:
     def choose(self, context: int = 0) -> int:
         self.context = context
         rates = self.rates()
+        if not self.learned:  # a guess: speculate only where it promises a margin
+            rates[0] *= 1 + PRIOR_MARGIN
         b = self.best(rates=rates)
         self.due, self.verifying_probe = 0, False
         if b > 1 or self.max_block == 1:
@@ -247,5 +254,6 @@ class AdaptiveBlock:
         self.probed_before = True
 
     def _learn(self, hits: list[float], rate: float) -> None:
+        self.learned = self.learned or bool(hits)
         for i, hit in enumerate(hits[: self.max_block - 1]):
             self.acceptance[i] += rate * (hit - self.acceptance[i])

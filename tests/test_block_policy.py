@@ -14,7 +14,7 @@ from mlx_lm import load as mlx_lm_load
 
 from checkpoints import build_target
 from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generate
-from dflash_mlx.block_policy import PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
+from dflash_mlx.block_policy import PRIOR_ACCEPTANCE, PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
 from dflash_mlx.cost_curve import CostCurve
 from dflash_mlx.decoder import SpeculativeDecoder
 from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
@@ -69,6 +69,17 @@ def test_outcomes_update_only_the_positions_a_cycle_reached():
     assert policy.acceptance == [0.75, 0.25, 0.5, 0.5, 0.5]
     policy.update(3, 2)  # every drafted position accepted: no rejection to count
     assert policy.acceptance == [0.875, 0.625, 0.5, 0.5, 0.5]
+
+
+def test_on_the_prior_alone_speculation_must_promise_a_margin():
+    """Where the prior promises speculation only a little (10%) over plain
+    steps, the policy starts plain; a measured outcome at the same acceptance
+    makes the same promise enough. A larger promise (30%) speculates at once."""
+    a_little = AdaptiveBlock(CostCurve((1, 2), (1.0, 1.0), (0.0, (1 + PRIOR_ACCEPTANCE) / 1.1 - 1.0)), 2)
+    assert a_little.choose() == 1
+    a_little.probed(2, [PRIOR_ACCEPTANCE])  # an outcome that leaves c_1 where the prior put it
+    assert a_little.acceptance == [PRIOR_ACCEPTANCE] and a_little.choose() == 2
+    assert AdaptiveBlock(CostCurve((1, 2), (1.0, 1.0), (0.0, (1 + PRIOR_ACCEPTANCE) / 1.3 - 1.0)), 2).choose() == 2
 
 
 def test_rejections_turn_speculation_off_and_probes_bring_it_back():

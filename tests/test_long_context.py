@@ -213,9 +213,9 @@ def test_the_policy_speculates_less_as_the_context_grows():
 def test_a_plain_step_is_priced_with_the_injection_of_its_position():
     """Every plain step's position reaches the draft when it next runs: with
     that counted, a block that barely loses to a bare target step wins."""
-    bare = CostCurve((1, 2), (1.0, 1.9), (0.0, 0.1))  # b = 2 makes 1.6 tokens in 2.0 s
+    bare = CostCurve((1, 2), (1.0, 1.9), (0.0, 0.1))  # b = 2 makes 1.75 tokens (the prior) in 2.0 s
     assert AdaptiveBlock(bare, 2).choose() == 1
-    assert AdaptiveBlock(CostCurve((1, 2), (1.0, 1.9), (0.0, 0.1), inject_s=0.3), 2).choose() == 2
+    assert AdaptiveBlock(CostCurve((1, 2), (1.0, 1.9), (0.0, 0.1), inject_s=0.6), 2).choose() == 2
 
 
 def test_probes_cost_at_most_their_budget_of_the_plain_steps():
