@@ -52,7 +52,7 @@ from .target import Target
 from .verify import greedy_verify
 
 SCHEMA = "dflash-mlx-cost-curve"
-SCHEMA_VERSION = 2  # 2: context slopes and the injection of a plain step's position
+SCHEMA_VERSION = 3  # 2: context slopes and the injection of a plain step's position; 3: slopes from 2,048 tokens, a plain step's median
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # measured where they fit the draft's trained size
 CONTEXT = 64  # tokens in the caches while measuring
 LONG_CONTEXT = 2048  # the second context timed, for the slopes
