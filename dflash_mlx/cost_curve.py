@@ -52,7 +52,7 @@ from .target import Target
 from .verify import greedy_verify
 
 SCHEMA = "dflash-mlx-cost-curve"
-SCHEMA_VERSION = 3  # 2: context slopes and the injection of a plain step's position; 3: slopes from 2,048 tokens, a plain step's median
+SCHEMA_VERSION = 3  # 2: context slopes, a plain step's injection; 3: slopes from 2,048 tokens, a plain step's median
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # measured where they fit the draft's trained size
 CONTEXT = 64  # tokens in the caches while measuring
 LONG_CONTEXT = 2048  # the second context timed, for the slopes
@@ -236,10 +236,9 @@ def plain_step_seconds(decoder: SpeculativeDecoder, steps: int = PLAIN_STEPS,
     block 1, pipelined as the loop runs them (each queued before the host
     waits for the one before): the median of ``steps`` steps in a row, each
     timed from the end of the one before, so a step another thread or process
-    held up does not move the price (four curves' price of the demo target's
-    step at 1k tokens, one thread: 5.2-6.5 ms from a mean of 8 at 1,024
-    tokens, 5.1-5.6 ms from this median at 2,048; such slopes drifted whole
-    runs into a new measurement)."""
+    held up does not move the price (four curves priced the demo target's
+    step at 1k tokens at 5.2-6.5 ms from a mean of 8, 5.1-5.6 ms from this
+    median; one thread)."""
     for _ in range(2):  # warm-up; the timed run starts with a step in flight, as in a long run
         decoder.cycle()
     times, last = [], clock()

@@ -247,7 +247,8 @@ def test_auto_runs_price_their_blocks_on_the_curve_the_bench_holds(pair, tmp_pat
     model, draft, tokenizer = pair
     monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))  # nothing cached: a run reading it would measure
     measured = []
-    monkeypatch.setattr(cc, "measure", lambda *a, **k: measured.append(a) or cc.CostCurve((1, 4), (1.0, 1.0), (0.0, 1.0)))
+    fallback = cc.CostCurve((1, 4), (1.0, 1.0), (0.0, 1.0))
+    monkeypatch.setattr(cc, "measure", lambda *a, **k: measured.append(a) or fallback)
     curve = cc.CostCurve((1, 4), (0.01, 0.011), (0.0, draft_ms / 1000))
     result = runs.run_bench(model, draft, tokenizer, PROMPTS, arms=[Arm("auto")], max_tokens=12,
                             chat_template=False, warmup_tokens=2, cost_curve=curve)
