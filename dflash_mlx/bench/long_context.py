@@ -9,7 +9,8 @@ tokens, then is cut to the exact length. The same Python and tokenizer give
 the same prompts. They are fed as token ids, without a chat template.
 
 Per context class and arm the report keeps (``contexts``): decode speedup
-(DFlash tok/s over mlx-lm's on the same prompt, median over prompts), each
+(DFlash tok/s over mlx-lm's on the same prompt and repeat, median over those
+pairs, with the interval that holds the pairs' median with 95% confidence), each
 side's prefill speed and time to first token (medians), tau, and each side's
 peak memory (the largest run's).
 """
@@ -124,8 +125,9 @@ def context_summary(runs: list[dict], pairs: list[dict], arms: list[Arm], length
                     and Arm(r["block_size"], r.get("tree_budget")) == arm]
             ps = [p for p in pairs if p["category"] == name and Arm(p["block_size"], p.get("tree_budget")) == arm]
             identical = [p["identical"] for p in ps if p.get("identical") is not None]
+            speedup = stats(p["speedup"] for p in ps) or {}
             rows.append({"context": name, "context_tokens": n, "arm": arm.key, "label": arm.label, "prompts": len(ps),
-                         "speedup": _median(p["speedup"] for p in ps),
+                         "speedup": speedup.get("median"), "speedup_interval": speedup.get("median_interval"),
                          "tau": acceptance(mine, *arm)["tau"] if mine else None,
                          "identical": sum(identical) if identical else None,
                          "baseline": _side(base), "dflash": _side(mine)})
@@ -140,16 +142,19 @@ def render_contexts(rows: list[dict], console) -> None:
         return "-" if x is None else fmt.format(x)
 
     t = Table(title="by context: DFlash beside mlx-lm (medians over prompts; memory: the largest run)")
-    for col in ("context", "arm", "speedup", "tau", "prefill tok/s", "TTFT s", "decode tok/s", "peak GB",
-                "identical"):
+    for col in ("context", "arm", r"speedup \[95% interval]", "tau", "prefill tok/s", "TTFT s", "decode tok/s",
+                "peak GB", "identical"):
         t.add_column(col, justify="left" if col in ("context", "arm") else "right")
     for r in rows:
         b, d = r["baseline"], r["dflash"]
-        t.add_row(r["context"], r["label"], f(r["speedup"], "{:.2f}x"), f(r["tau"], "{:.2f}"),
+        interval = r.get("speedup_interval")
+        speedup = f(r["speedup"], "{:.2f}x") + (" \\[{:.2f}-{:.2f}]".format(*interval) if interval else "")
+        t.add_row(r["context"], r["label"], speedup, f(r["tau"], "{:.2f}"),
                   f"{f(d['prefill_tps'], '{:.0f}')} / {f(b['prefill_tps'], '{:.0f}')}",
                   f"{f(d['ttft_s'], '{:.2f}')} / {f(b['ttft_s'], '{:.2f}')}",
                   f"{f(d['decode_tps'])} / {f(b['decode_tps'])}",
                   f"{f(d['peak_memory_gb'], '{:.2f}')} / {f(b['peak_memory_gb'], '{:.2f}')}",
                   "-" if r["identical"] is None else f"{r['identical']}/{r['prompts']}")
     console.print(t)
-    console.print("each cell with two figures: DFlash / mlx-lm", markup=False, highlight=False)
+    console.print("each cell with two figures: DFlash / mlx-lm; the speedup's interval holds the median of "
+                  "the pairs' distribution with 95% confidence (none below 6 pairs)", markup=False, highlight=False)

@@ -24,7 +24,8 @@ def compare_tokens(baseline: list[int], dflash: list[int]) -> dict:
 
 
 def stats(values: Iterable[Optional[float]]) -> Optional[dict]:
-    """n, median, mean, geometric mean, min, max and quartiles of the non-None values."""
+    """n, median, mean, geometric mean, min, max and quartiles of the non-None
+    values, and the median's 95% interval (``median_interval``)."""
     xs = sorted(v for v in values if v is not None and not math.isnan(v))
     if not xs:
         return None
@@ -32,7 +33,22 @@ def stats(values: Iterable[Optional[float]]) -> Optional[dict]:
     positive = all(x > 0 for x in xs)
     return {"n": len(xs), "median": statistics.median(xs), "mean": statistics.fmean(xs),
             "geomean": statistics.geometric_mean(xs) if positive else None,
-            "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3}
+            "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3, "median_interval": median_interval(xs)}
+
+
+def median_interval(xs: list[float], confidence: float = 0.95) -> Optional[list[float]]:
+    """[low, high] holding the median of the distribution sorted ``xs`` were
+    drawn from with at least ``confidence``, whatever that distribution: the
+    order statistics x_(k) and x_(n+1-k) for the largest k whose binomial
+    coverage 1 - 2 P(Binomial(n, 1/2) < k) reaches it (15 runs: the 4th and
+    12th). None when too few values allow any (fewer than 6 at 95%)."""
+    n, below, k = len(xs), 0.0, 0
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n  # P(B <= k): the interval from x_(k+1) would miss it twice over
+        if 2 * below > 1 - confidence:
+            break
+        k += 1
+    return [xs[k - 1], xs[n - k]] if k else None
 
 
 def acceptance(runs: list[dict], block_size, tree_budget: Optional[int] = None) -> dict:
