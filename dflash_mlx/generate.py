@@ -215,6 +215,7 @@ def stream_generate(
     prompt_ids = _encode(tokenizer, prompt, target.vocab_size)
     validate.prompt_length(prompt_ids.size, getattr(target.args, "max_position_embeddings", None))
     check_forward(target, prompt_ids)
+    kept = context is not None  # the caller keeps the caches: the draft's must end holding every fed token
     if context is None:
         context = ContextCache(target.make_cache(), draft.make_cache())
     n = len(context.tokens)
@@ -237,7 +238,7 @@ def stream_generate(
                                      prefill_step_size, sampler, context.target, context.tokens, kv)
     decoder.keep_logprobs = logprobs
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream), \
-            drained(generation_stream), contextlib.closing(decoder):
+            drained(generation_stream), contextlib.closing(decoder) if kept else contextlib.nullcontext():
         tic = time.perf_counter()
         committed = [decoder.prefill(prompt_ids)]
         prompt_tps = prompt_ids.size / (time.perf_counter() - tic)

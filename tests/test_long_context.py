@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import Target, generate, load_draft
 from dflash_mlx.block_policy import PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
 from dflash_mlx.cost_curve import CostCurve
-from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder, prefill_chunks, proposer_for
+from dflash_mlx.decoder import ContextCache, DraftProposer, SpeculativeDecoder, prefill_chunks, proposer_for
 from test_loop import greedy_reference
 
 PROMPT = [3, 17, 5, 9, 22, 41, 7, 13, 2, 30, 11, 8, 19, 27, 4, 16, 6, 25, 14, 33]
@@ -156,6 +156,26 @@ def test_plain_steps_are_injected_in_one_batch_before_the_next_draft_pass(target
         decoder.cycle()
     assert proposer.injected == [len(PROMPT) - 1, 1, 4] and proposer.passes == 1  # batched right before the pass
     assert all(c.offset == len(PROMPT) + 4 for c in proposer.cache)
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_the_last_plain_steps_reach_the_draft_only_where_a_caller_keeps_the_caches(target_dirs, draft_dir, kept):
+    """Plain steps' positions wait for the draft's next pass; at the end of a
+    generation they are injected only into a ``ContextCache`` the caller
+    holds (its next prompt drafts from them), never into caches nobody keeps."""
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    target, draft = Target(model), load_draft(str(draft_dir("qwen3", block_size=4)))
+    injected, inject = [], draft.inject
+    draft.inject = lambda features, cache: (injected.append(features.shape[1]), inject(features, cache))[1]
+    context = ContextCache(target.make_cache(), draft.make_cache()) if kept else None
+    dear = CostCurve((1, 16), (1.0, 16.0), (0.0, 100.0))  # every cycle a plain step, and no probe in 6
+    got = generate(target, draft, tokenizer, PROMPT, max_tokens=6, context=context, cost_curve=dear)
+    assert got.tokens == greedy_reference(model, PROMPT, 6) and set(got.block_sizes) == {1}
+    if kept:
+        assert sum(injected) == len(context.tokens) > len(PROMPT)
+        assert all(c.offset == len(context.tokens) for c in context.draft)
+    else:
+        assert injected == [len(PROMPT) - 1, 1]  # the prompt's chunk and its last token, nothing after
 
 
 @pytest.mark.parametrize("step", [5, 64])
