@@ -440,3 +440,13 @@ class DriftWatch:
 
     def factor(self, block_size: int) -> float:
         return self.factors[block_size > 1]
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A given curve that each generation still watches for drift as it does
+    the measured one (a ``DriftWatch`` with nothing cached to forget): what
+    ``bench`` hands its auto runs, so they price blocks as a user's
+    generation does."""
+
+    curve: CostCurve

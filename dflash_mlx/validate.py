@@ -216,11 +216,11 @@ def tree_budget(value, context: Optional[int], name: str = "tree_budget") -> Opt
     return value or None
 
 
-def loaded(model, draft, tokenizer, cost_curve, curve_type: type) -> None:
+def loaded(model, draft, tokenizer, cost_curve, curve_types: tuple) -> None:
     """The objects ``stream_generate`` takes: a target model (mlx-lm's, or a
     ``Target``), a DFlash draft (``load_draft``), its tokenizer and a cost
-    curve or None (``curve_type``, ``cost_curve.CostCurve``: passed in, as
-    that module imports this one through the decoder)."""
+    curve or None (``curve_types``, ``cost_curve.CostCurve`` and ``Watched``:
+    passed in, as that module imports this one through the decoder)."""
     import mlx.nn as nn
 
     from .draft import DFlashDraft
@@ -235,8 +235,9 @@ def loaded(model, draft, tokenizer, cost_curve, curve_type: type) -> None:
         raise DFlashError(f"draft must be a DFlash draft from dflash_mlx.load_draft, got {kind(draft)}")
     if not callable(getattr(tokenizer, "encode", None)):
         raise DFlashError(f"tokenizer must be the target's tokenizer (from dflash_mlx.load), got {kind(tokenizer)}")
-    if cost_curve is not None and not isinstance(cost_curve, curve_type):
-        raise DFlashError(f"cost_curve must be a CostCurve (dflash_mlx.cost_curve) or None, got {cost_curve!r}")
+    if cost_curve is not None and not isinstance(cost_curve, curve_types):
+        raise DFlashError(f"cost_curve must be a CostCurve or Watched (dflash_mlx.cost_curve) or None, "
+                          f"got {cost_curve!r}")
 
 
 def writable(path, name: str) -> None:

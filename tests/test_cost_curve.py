@@ -288,6 +288,24 @@ def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
     assert policy.choose() == 2  # ... and does once plain steps cost twice as much
 
 
+def test_a_watched_curve_is_watched_in_each_generation_and_never_forgotten(pair, target_dirs, tmp_path, monkeypatch,
+                                                                          counted):
+    """What bench hands its auto runs: the curve as given (nothing measured or
+    read), a fresh watch per generation with nothing to forget; a bare curve
+    is taken as it is, unwatched (ranks of a distributed run decide alike)."""
+    from dflash_mlx.generate import auto_policy, generate
+
+    target, draft = pair
+    watched = [auto_policy(target, draft, cc.Watched(CONTEXTUAL)) for _ in range(2)]
+    assert all(p.costs is CONTEXTUAL and p.watch.curve is CONTEXTUAL and p.watch.on_drift is None for p in watched)
+    assert watched[0].watch is not watched[1].watch
+    assert auto_policy(target, draft, CONTEXTUAL).watch is None
+    monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
+    _, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    got = generate(target.model, draft, tokenizer, [3, 4, 5], max_tokens=8, cost_curve=cc.Watched(CONTEXTUAL))
+    assert len(got.tokens) == 8 and not counted and not list(tmp_path.iterdir())
+
+
 def test_forget_removes_the_cached_curve_once_per_process(pair, tmp_path, counted):
     target, draft = pair
     cc.cost_curve(target, draft, tmp_path)

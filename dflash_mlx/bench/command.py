@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 from .. import validate
 from ..chat import has_template, thinking_note
-from ..cost_curve import cost_curve
+from ..cost_curve import Watched, cost_curve
 from ..distributed import session, shared_cost_curve, talks
 from ..draft import DraftConfig, is_dflash2
 from ..errors import DFlashError
@@ -211,7 +211,9 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     if chat_template and has_template(tokenizer):
         err.print(thinking_note(thinking), markup=False, highlight=False)
     curve = None
-    if validate.AUTO in block_sizes:  # measured (or read) here, off the clock of every run, and held
+    # measured (or read) here, off the clock of every run, and held: each run watches it for drift as a user's
+    # generation does (Watched), but never measures it again; ranks decide alike on it as it is
+    if validate.AUTO in block_sizes:
         curve = shared_cost_curve(target, dft, launch.group) if launch else cost_curve(Target(target), dft)
     steps = (len(chosen) * repeat + int(warmup)) * (1 + len(dflash_arms))
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
@@ -231,7 +233,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
                            max_tokens=max_tokens, repeat=repeat, sampling=sampling,
                            chat_template=chat_template, enable_thinking=thinking,
                            warmup_tokens=16 if warmup else 0, on_step=on_step, draft_vocab=draft_vocab, kv=kv,
-                           cost_curve=curve,
+                           cost_curve=curve if launch or curve is None else Watched(curve),
                            runners=sharded_runners(launch) if launch else None)
         progress.advance(task)
     config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,

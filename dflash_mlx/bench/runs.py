@@ -94,8 +94,8 @@ def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_s
     if given, else the chain; drafting over ``draft_vocab`` ids if given); adds
     the per-cycle accepted draft counts. ``stream`` replaces ``stream_generate``
     (a rank of a distributed launch: ``distributed.Launch.stream_generate``).
-    ``cost_curve``: ``auto``'s, held fixed (None: the pair's cached one,
-    watched for drift)."""
+    ``cost_curve``: ``auto``'s, never measured again (None: the pair's
+    cached one, measured again once cycles drift from it)."""
     from ..generate import stream_generate
 
     _fresh()
@@ -137,7 +137,8 @@ def run_bench(
     run_dflash}`` (tests give the baseline another target, for instance).
     ``draft_vocab`` N: every DFlash arm drafts over the N top-ranked ids.
     ``kv``: both sides quantize the KV cache with these mlx-lm arguments.
-    ``cost_curve``: every ``auto`` run prices its blocks on it, held fixed
+    ``cost_curve``: every ``auto`` run prices its blocks on it (a
+    ``Watched`` one watched for drift inside the run), never measured again
     (without it each run reads the pair's cached curve, and a drift inside
     one would have the next measure the curve again inside its timed
     prefill, on whatever else the machine was doing then). A prompt with
