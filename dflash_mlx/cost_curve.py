@@ -444,9 +444,7 @@ class DriftWatch:
 
 @dataclass(frozen=True)
 class Watched:
-    """A given curve that each generation still watches for drift as it does
-    the measured one (a ``DriftWatch`` with nothing cached to forget): what
-    ``bench`` hands its auto runs, so they price blocks as a user's
-    generation does."""
+    """A given curve each generation watches for drift as it does the measured
+    one, with nothing cached to forget (bench's auto runs: priced as a user's)."""
 
     curve: CostCurve
