@@ -44,7 +44,7 @@ def median_interval(xs: list[float], confidence: float = 0.95) -> Optional[list[
     12th). None when too few values allow any (fewer than 6 at 95%)."""
     n, below, k = len(xs), 0.0, 0
     while k < n // 2:
-        below += math.comb(n, k) / 2**n  # P(B <= k): the interval from x_(k+1) would miss it twice over
+        below += math.comb(n, k) / 2**n  # P(B <= k): [x_(k+1), x_(n-k)] misses the median with 2 P(B <= k)
         if 2 * below > 1 - confidence:
             break
         k += 1
