@@ -43,12 +43,12 @@ def test_a_dflash2_draft_is_priced_as_its_conv_layers_plus_its_selector():
     b, context, rows = d["block_size"], 1024, d["block_size"] - 1
     assert b == 8 and (K, d["conv_group_size"], R) == (2, 16, 256)  # the published draft's
     full, base = dp.forward(tp, b, context, tau), v1.forward(tp, b, context, tau)
-    # the top-k reads every logit of each drafted row; the walk gathers k + 1 codebook rows
-    selector_bytes = rows * (V * 2 + (k + 1) * R * 2)
+    # the top-k reads every logit of each drafted row; the scores gather 2k codebook rows
+    selector_bytes = rows * (V * 2 + 2 * k * R * 2)
     assert full.bytes - base.bytes == pytest.approx(2 * (conv + R * H) + selector_bytes)
     # taps and projections at 2 FLOPs a weight a block token; the selector's projection,
-    # top-k comparisons and scoring per drafted row
-    selector_flops = rows * (2 * R * H + V + 3 * k * R)
+    # top-k comparisons and every parent-candidate score per drafted row
+    selector_flops = rows * (2 * R * H + V + (k + 2 * k * k) * R)
     assert full.flops - base.flops == pytest.approx(b * 2 * conv + selector_flops)
     (chip,) = find_chips(["M5 Max"])
     assert cm.predict(tp, dp, chip, tau, b).draft_ms > cm.predict(tp, v1, chip, tau, b).draft_ms
@@ -64,7 +64,7 @@ def test_a_quantized_dflash2_draft_gathers_quantized_codebook_rows():
     wider["dflash_config"]["selector_top_k"] *= 2
     k = draft["dflash_config"]["selector_top_k"]
     assert (cm.draft_profile(wider).selector(7).bytes - cm.draft_profile(draft).selector(7).bytes
-            == pytest.approx(7 * k * 2 * R))
+            == pytest.approx(7 * 2 * k * 2 * R))  # k more successor and predecessor rows a row
 
 
 def test_gemma_4_31b_preset_follows_its_published_shapes():

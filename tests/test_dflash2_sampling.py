@@ -80,13 +80,13 @@ def selector_proposer(draft, wrong=None):
             if wrong == "full softmax":
                 return drafted, logits / T - mx.logsumexp(logits / T, axis=-1, keepdims=True)
             selector = self.draft.candidate_selector  # "argmax walk": rows scored after each row's argmax
-            prepared = selector.prepare(hidden, logits)
-            prev, rows = y, []
+            candidates, scores = selector.scores(hidden, logits, y)
+            slot, rows = 0, []
             for j in range(block_size - 1):
-                s = selector.scores(prepared, j, prev) / T
+                s = scores[j, slot] / T
                 rows.append(s - mx.logsumexp(s))
-                prev = prepared[0][j, mx.argmax(s)].reshape(1)
-            return drafted, scatter(prepared[0], mx.stack(rows), logits.shape[-1])
+                slot = mx.argmax(s).item()
+            return drafted, scatter(candidates, mx.stack(rows), logits.shape[-1])
 
     targets = {}  # one Target per model, shared by the runs
     return lambda model, params, memo: Proposer(draft, targets.setdefault(id(model), Target(model)), memo)

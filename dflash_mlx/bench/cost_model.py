@@ -134,14 +134,15 @@ class DraftProfile:
 
     def selector(self, rows: int) -> Pass:
         """The candidate selector over ``rows`` drafted rows: the top-k reads each
-        row's V logits (one comparison each); the walk gathers the k successor rows
-        and the previous token's predecessor row of R, and scores each candidate
-        (e_j * S[c], then its dot with P[prev]: 3kR)."""
+        row's V logits (one comparison each); the scores gather each row's k
+        successor rows and the k predecessor rows of its parents (the anchor's
+        for row 0), and score every parent-candidate pair (e_j * S[c]: kR, then
+        each dot with P[parent]: 2k^2 R)."""
         if not self.selector_top_k:
             return Pass(0.0, 0.0)
         k, R = self.selector_top_k, self.selector_rank
-        nbytes = rows * (self.vocab * self.logit_bytes + (k + 1) * self.codebook_row_bytes)
-        flops = rows * (self.vocab + self.selector_flops + 3.0 * k * R)
+        nbytes = rows * (self.vocab * self.logit_bytes + 2 * k * self.codebook_row_bytes)
+        flops = rows * (self.vocab + self.selector_flops + (k + 2.0 * k * k) * R)
         return Pass(nbytes, flops)
 
     def forward(self, target: TargetProfile, block: int, context: int, inject: float,

@@ -46,47 +46,45 @@ class CandidateSelector(nn.Module):
         edges = self.successor_codebook(candidates).astype(mx.float32) * e[:, None]
         return candidates, unary, edges
 
-    def scores(self, prepared: tuple[mx.array, mx.array, mx.array], j: int, prev: mx.array) -> mx.array:
-        """s_j over C_j [k], row j following token prev [1]."""
-        _, unary, edges = prepared
-        return unary[j] + edges[j] @ self.predecessor_codebook(prev)[0].astype(mx.float32)
+    def scores(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> tuple[mx.array, mx.array]:
+        """(C [n, k], scores [n, k, k]): entry [j, s, c] is s_j(c) after the
+        parent in slot s of C_{j-1} (row 0: after the anchor, the same in every
+        slot). One batched product for every row and parent, so a walk only
+        picks rows."""
+        candidates, unary, edges = self.prepare(hidden, logits)
+        k = candidates.shape[1]
+        parents = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, k)).astype(candidates.dtype),
+                                  candidates[:-1]])
+        P = self.predecessor_codebook(parents).astype(mx.float32)  # [n, k parents, R]
+        return candidates, unary[:, None, :] + P @ edges.transpose(0, 2, 1)
 
     def walk(self, hidden: mx.array, logits: mx.array, anchor: mx.array, temperature: float = 0.0,
              key: Optional[mx.array] = None) -> tuple[mx.array, Optional[mx.array]]:
         """(drafted [n] int32, q [n, V] float32 log-probabilities or None at T = 0)
         from hidden [n, H] and scaled logits [n, V] of rows 1..n, after anchor [1]."""
         n, V = logits.shape
-        prepared = self.prepare(hidden, logits)
-        candidates = prepared[0]
+        candidates, scores = self.scores(hidden, logits, anchor)
+        k = candidates.shape[1]
+        if temperature > 0:
+            scores = scores / temperature
+            scores = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        rows_by_parent = scores.reshape(n * k, k)
         keys = mx.random.split(key, n) if temperature > 0 else None
-        prev, path, rows = anchor.reshape(1), [], []
+        slot, slots, rows = mx.array(0), [], []
         for j in range(n):
-            scores = self.scores(prepared, j, prev)
-            if temperature > 0:
-                logq = scores / temperature
-                logq = logq - mx.logsumexp(logq)
-                rows.append(logq)
-                slot = mx.random.categorical(logq, key=keys[j])
-            else:
-                slot = mx.argmax(scores)
-            prev = candidates[j, slot].reshape(1)
-            path.append(prev)
-        drafted = mx.concatenate(path).astype(mx.int32)
+            row = rows_by_parent[j * k + slot]  # after the token chosen in row j - 1
+            slot = mx.random.categorical(row, key=keys[j]) if temperature > 0 else mx.argmax(row)
+            slots.append(slot)
+            rows.append(row)
+        drafted = mx.take_along_axis(candidates, mx.stack(slots)[:, None], axis=1)[:, 0].astype(mx.int32)
         if temperature == 0:
             return drafted, None
         return drafted, scatter(candidates, mx.stack(rows), V)
 
-
     def transitions(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> tuple[mx.array, mx.array]:
-        """(C [n, k], log-probs [n, k, k]) for a tree: entry [j, s, c] is
-        log softmax_c s_j(c) after the parent in slot s of C_{j-1} (row 0: after
-        the anchor, the same in every slot)."""
-        candidates, unary, edges = self.prepare(hidden, logits)
-        k = candidates.shape[1]
-        parents = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, k)).astype(candidates.dtype),
-                                  candidates[:-1]])
-        P = self.predecessor_codebook(parents).astype(mx.float32)  # [n, k parents, R]
-        scores = unary[:, None, :] + P @ edges.transpose(0, 2, 1)
+        """(C [n, k], log-probs [n, k, k]) for a tree: ``scores`` as log softmax
+        over each parent's k children."""
+        candidates, scores = self.scores(hidden, logits, anchor)
         return candidates, scores - mx.logsumexp(scores, axis=-1, keepdims=True)
 
 
