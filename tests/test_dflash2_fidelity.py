@@ -26,6 +26,7 @@ CASES = {
     "is_causal absent: sliding causal, full bidirectional": dict(layer_types=[SLIDING, FULL], is_causal=None),
     "is_causal true, multiplier only": dict(layer_types=[FULL, SLIDING], is_causal=True, output_multiplier=1.7),
     "input_embedding_scale": dict(layer_types=[SLIDING, SLIDING], is_causal=False, input_embedding_scale=0.7),
+    "three conv taps": dict(layer_types=[SLIDING, FULL], is_causal=False, kernel_size=3),
 }
 
 
