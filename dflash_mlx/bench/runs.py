@@ -14,7 +14,7 @@ from .summary import make_pairs, summarize
 def _timed(responses: Iterable, clock: Callable[[], float] = time.perf_counter) -> tuple[list, float, float]:
     """Drain a generator; (responses, seconds to the first one, seconds to the
     last one). What a generator does after its last response is off the clock,
-    as the step both sides queue ahead and never wait for is (``_fresh``):
+    as the step both sides queue ahead and never wait for is (``fresh``):
     DFlash's generator waits for its stream on leaving, mlx-lm's does not."""
     out, first, last = [], None, None
     tic = clock()
@@ -53,7 +53,7 @@ def _record(prompt_tokens: int, tokens: list[int], finish: Optional[str], first_
     }
 
 
-def _fresh() -> None:
+def fresh() -> None:
     """Before a run: let work the last run queued but never waited for (both
     generators queue their next step ahead) finish off the clock, free the
     allocator cache and reset the peak memory counter."""
@@ -78,7 +78,7 @@ def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: di
                            top_k=sampling["top_k"])
     if sampling.get("seed") is not None:
         mx.random.seed(sampling["seed"])
-    _fresh()
+    fresh()
     responses, first, total = _timed(
         mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=sampler, **(kv or {})))
     # the last response carries the EOS token itself when generation stopped on it
@@ -98,7 +98,7 @@ def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_s
     cached one, measured again once cycles drift from it)."""
     from ..generate import stream_generate
 
-    _fresh()
+    fresh()
     responses, first, total = _timed((stream or stream_generate)(
         model, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens,
         temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
