@@ -38,7 +38,10 @@ context long). Probes come ``probe_every`` plain steps apart, then twice
 that after a probe that did not bring speculation back, four times after
 two, and so on up to the spacing at which their loss is ``probe_budget`` of
 the plain steps' time, so text that turns predictable again is found soon
-and probes that keep finding nothing cost the budget. Until a speculative
+and probes that keep finding nothing cost the budget. A probe waits while fewer
+than its block plus ``probe_every`` tokens are left to generate (when the
+caller says how many): speculation after it would have too few tokens to
+repay it, so a short generation runs plain. Until a speculative
 cycle has paid for itself in the generation (its tokens worth more plain
 steps than it took), the probes after the first keep the budget's spacing:
 nothing has shown the drafts pay here, a long prompt's draft pass can cost
@@ -72,9 +75,10 @@ class BlockPolicy(Protocol):
     """A policy that probes (``AdaptiveBlock``) also has ``probe()`` and
     ``probed(block_size, hits)``."""
 
-    def choose(self, context: int = 0) -> int:
+    def choose(self, context: int = 0, left: Optional[int] = None) -> int:
         """The block size of the next cycle (1: no draft, a plain target step),
-        with ``context`` tokens in the target's cache."""
+        with ``context`` tokens in the target's cache and ``left`` tokens
+        still to generate (None: unknown). The decoder caps b at ``left``."""
 
     def update(self, block_size: int, accepted: int) -> None:
         """The outcome of the cycle just verified at ``block_size``."""
@@ -103,7 +107,7 @@ class FixedBlock:
     def __init__(self, block_size: int):
         self.block_size = block_size
 
-    def choose(self, context: int = 0) -> int:
+    def choose(self, context: int = 0, left: Optional[int] = None) -> int:
         return self.block_size
 
     def update(self, block_size: int, accepted: int) -> None:
@@ -205,7 +209,7 @@ class AdaptiveBlock:
             interval = min(interval, self.probe_every * 2**self.failed_probes)
         return max(self.probe_every, interval)
 
-    def choose(self, context: int = 0) -> int:
+    def choose(self, context: int = 0, left: Optional[int] = None) -> int:
         self.context = context
         rates = self.rates()
         if not self.learned:  # a guess: speculate only where it promises a margin
@@ -220,6 +224,8 @@ class AdaptiveBlock:
         self.plain_steps += 1
         if self.plain_steps < self.probe_interval(probe):
             return 1
+        if left is not None and left < probe + self.probe_every:
+            return 1  # too few tokens after its judging for speculation to repay it: it stays due
         self.plain_steps = 0  # a probe is due
         if self.speculated and self.verified_probe_loss(probe) <= self.drafted_probe_loss(probe):
             self.verifying_probe = True  # the tokens it makes pay for more than a draft pass alone

@@ -250,6 +250,8 @@ class SpeculativeDecoder:
         self.draft_logprobs: Optional[mx.array] = None  # q, when sampling
         self.draft_finite = mx.array(True)  # whether the queued draft's logits were finite
         self.keep_logprobs = False  # set True: ``logprobs`` carries the committed tokens' log-probabilities
+        self.max_tokens: Optional[int] = None  # set: the tokens the caller takes (``tokens_left``)
+        self.emitted = 0  # tokens handed out: the prefill's first, then each cycle's
         self.logprobs: Optional[mx.array] = None  # [n, V] at the last prefill's or cycle's n tokens (lazy)
         self.queued_logits: Optional[mx.array] = None  # b = 1: the processed logits of ``queued``
         self.probe: Optional[Probe] = None  # drafted beside a plain step, judged against the next tokens
@@ -290,6 +292,7 @@ class SpeculativeDecoder:
         self.pending = self.sampler.next_token(logits)
         self.sampler.commit(self.pending)
         first = self.pending.item()
+        self.emitted = 1
         self._queue_next()
         return first
 
@@ -305,11 +308,19 @@ class SpeculativeDecoder:
         if skip < chunk.size:
             self.proposer.observe(features[:, skip:], chunk[skip:])
 
+    def tokens_left(self) -> Optional[int]:
+        """Tokens the caller will still take (None: no limit set): the next
+        cycle never drafts past them, and none is queued once it is 0."""
+        return None if self.max_tokens is None else self.max_tokens - self.emitted
+
     def _queue_draft(self) -> None:
         # start drafting the next block while the host streams this cycle's text
-        self.block_size = self.policy.choose(len(self.tokens))
+        left = self.tokens_left()
+        self.block_size = self.policy.choose(len(self.tokens), left)
         if self.kv:
             self.block_size = self.kv.block(len(self.tokens), self.block_size)
+        if left is not None:  # a cycle emits at most b tokens
+            self.block_size = max(1, min(self.block_size, left))
         if self.block_size == 1:  # speculation off: a plain target step, no draft pass
             self.drafted, self.draft_logprobs = self.no_draft
             self.draft_finite = mx.array(True)
@@ -342,6 +353,8 @@ class SpeculativeDecoder:
 
     def _queue_next(self) -> None:
         # the next cycle's work, started while the host streams this cycle's text
+        if self.tokens_left() == 0:  # the caller takes no more: nothing to start
+            return
         self._queue_draft()
         if self.block_size == 1:
             self._queue_plain_step()
@@ -392,6 +405,7 @@ class SpeculativeDecoder:
             logits, probe = self.queued_logits, self.probe  # a probe drafted before this token
             self._keep(logits)
             self.policy.update(1, 0)
+            self.emitted += 1
             self._queue_next()
             token = self.pending.item()
             if probe is not None:
@@ -422,5 +436,6 @@ class SpeculativeDecoder:
         self._remember(committed)
         self.sampler.commit(mx.concatenate([drafted[:a], next_token]))
         self.pending = next_token
+        self.emitted += a + 1
         self._queue_next()
         return Cycle(committed[1:] + [next_token.item()], a)

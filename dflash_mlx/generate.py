@@ -237,6 +237,7 @@ def stream_generate(
             policy = FixedBlock(block_size)
         decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,
                                      prefill_step_size, sampler, context.target, context.tokens, kv)
+        decoder.max_tokens = max_tokens  # no block drafted past them, nothing queued after the last
     decoder.keep_logprobs = logprobs
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream), \
             drained(generation_stream), contextlib.closing(decoder) if kept else contextlib.nullcontext():

@@ -160,7 +160,7 @@ def test_greedy_equals_single_process_and_mlx_lm_sharded(launched, pairs, mode, 
         assert len(run["tokens"]) > 4
         assert run["tokens"] == single.tokens  # the unsharded loop
         assert run["tokens"] == run["mlx_lm"]  # mlx-lm's own decoding of the same sharded model
-        assert set(run["blocks"][1:]) == {4}
+        assert run["blocks"][1:] == single.block_sizes and 4 in single.block_sizes  # 4, or the tokens left
 
 
 @pytest.mark.parametrize("mode,family", CASES)
@@ -206,7 +206,7 @@ def test_ddtree_on_a_sharded_target_equals_one_process(launched, pairs, mode, fa
 def test_adaptive_block_follows_rank_0s_curve(launched, mode, family=ADAPTIVE_FAMILY):
     a, b = (rank[f"{family}-auto"] for rank in launched(mode))
     assert a == b
-    assert 1 not in a["blocks"][1:]  # rank 1's own curve would have turned speculation off
+    assert 1 not in a["blocks"][1:-1]  # rank 1's own curve would have turned speculation off (the last: 1 token left)
     assert a["tokens"] == launched(mode)[0][f"{family}-greedy"]["tokens"]
 
 

@@ -143,7 +143,7 @@ def test_plain_steps_are_injected_in_one_batch_before_the_next_draft_pass(target
     class Scripted:
         blocks = [1, 1, 1, 1, 4, 4]
 
-        def choose(self, context=0):
+        def choose(self, context=0, left=None):
             return self.blocks.pop(0)
 
         def update(self, block_size, accepted):
@@ -258,3 +258,49 @@ def test_probes_cost_at_most_their_budget_of_the_plain_steps():
     assert spent <= PROBE_BUDGET * curve.cycle_seconds(1) * chosen.count(1) * 1.05
     cheap = AdaptiveBlock(CostCurve((1, 2), (1.0, 1.6), (0.0, 0.005)), 2)  # a cheap draft: the floor applies
     assert cheap.probe_interval(2) == PROBE_EVERY
+
+
+def test_a_probe_waits_while_too_few_tokens_are_left_to_repay_it():
+    """A due probe is drafted only where at least its block plus
+    ``PROBE_EVERY`` tokens are left to generate (or the caller set no limit)."""
+    curve = CostCurve((1, 16), (1.0, 4.0), (0.0, 1.0))
+    policy = AdaptiveBlock(curve, 4)
+    for _ in range(PROBE_EVERY - 1):
+        assert policy.choose(0, left=1000) == 1 and policy.probe() == 0
+    block = policy.best(low=2)
+    for left in (1, block + PROBE_EVERY - 1):
+        assert policy.choose(0, left=left) == 1 and policy.probe() == 0  # still due, not taken
+    assert policy.choose(0, left=block + PROBE_EVERY) == 1 and policy.probe() == block
+    unlimited = AdaptiveBlock(curve, 4)
+    assert [unlimited.choose() == 1 and unlimited.probe() for _ in range(PROBE_EVERY)][-1] == block
+
+
+@pytest.mark.parametrize("max_tokens", [12, 40])
+def test_a_short_generation_drafts_no_probe_it_cannot_repay(target_dirs, draft_dir, max_tokens):
+    """With plain steps the curve's choice, the probe due 8 steps in is
+    drafted in a 40-token generation (its plain steps are injected for it)
+    and not in a 12-token one; the output is mlx-lm's either way."""
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    target, draft = Target(model), load_draft(str(draft_dir("qwen3", block_size=4)))
+    injected, inject = [], draft.inject
+    draft.inject = lambda features, cache: (injected.append(features.shape[1]), inject(features, cache))[1]
+    dear = CostCurve((1, 16), (1.0, 16.0), (0.0, 100.0))  # every cycle a plain step
+    got = generate(target, draft, tokenizer, PROMPT, max_tokens=max_tokens, cost_curve=dear)
+    assert got.tokens == greedy_reference(model, PROMPT, max_tokens) and set(got.block_sizes) == {1}
+    probed = injected[2:]  # past the prompt's chunk and its last token: a probe's catch-up
+    assert len(probed) == (1 if max_tokens == 40 else 0), probed  # one probe, 8 plain steps in
+
+
+def test_nothing_is_queued_after_the_last_token_the_caller_takes(target_dirs, draft_dir):
+    """max_tokens = 1: the prefill's token is all, so no plain step or draft
+    follows it (a caller's kept caches hold the prompt alone); with 3, a
+    fixed block of 4 is cut to the 2 tokens left."""
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    target, draft = Target(model), load_draft(str(draft_dir("qwen3", block_size=4)))
+    context = ContextCache(target.make_cache(), draft.make_cache())
+    got = generate(target, draft, tokenizer, PROMPT, max_tokens=1, context=context, block_size=4)
+    assert got.tokens == greedy_reference(model, PROMPT, 1) and context.tokens == PROMPT
+    assert all(c.offset == len(PROMPT) for c in context.draft)
+    got = generate(target, draft, tokenizer, PROMPT, max_tokens=3, block_size=4)
+    assert got.tokens == greedy_reference(model, PROMPT, 3) and got.block_sizes[0] == 2
+    assert all(b <= 2 for b in got.block_sizes)

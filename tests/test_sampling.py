@@ -211,7 +211,7 @@ class PlainThenBlock:
     def __init__(self):
         self.blocks = [1, 1]  # the first is asked for after the prefill
 
-    def choose(self, context=0):
+    def choose(self, context=0, left=None):
         return self.blocks.pop(0) if self.blocks else BLOCK
 
     def update(self, block_size, accepted):

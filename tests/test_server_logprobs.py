@@ -127,7 +127,9 @@ def test_replies_name_the_engine_and_the_pair(client, url, pair):
 
 def test_usage_says_how_the_reply_was_decoded(client):
     usage = client.chat.completions.create(model="any", messages=ASK, max_tokens=12).usage.model_extra
-    assert usage["block_sizes"] == {"4": usage["cycles"]} and usage["decoding"] == "speculative"
+    blocks = usage["block_sizes"]  # 4, or the tokens left when fewer
+    assert sum(blocks.values()) == usage["cycles"] and usage["decoding"] == "speculative"
+    assert "4" in blocks and all(1 <= int(b) <= 4 for b in blocks)
 
 
 @pytest.mark.parametrize("blocks, decoding", [({1: 5}, "plain"), ({1: 3, 4: 2}, "speculative"), ({}, "plain")])
