@@ -41,7 +41,10 @@ the plain steps' time, so text that turns predictable again is found soon
 and probes that keep finding nothing cost the budget. A probe waits while fewer
 than its block plus ``probe_every`` tokens are left to generate (when the
 caller says how many): speculation after it would have too few tokens to
-repay it, so a short generation runs plain. Until a speculative
+repay it. Speculation on the prior alone is a guess of the same kind and
+waits alike: a draft's first blocks are often far below the prior (on the
+demo pair, two failed blocks of 8 cost most of a 12-token generation), so a
+short generation runs plain. Until a speculative
 cycle has paid for itself in the generation (its tokens worth more plain
 steps than it took), the probes after the first keep the budget's spacing:
 nothing has shown the drafts pay here, a long prompt's draft pass can cost
@@ -216,6 +219,8 @@ class AdaptiveBlock:
             rates[0] *= 1 + PRIOR_MARGIN
         b = self.best(rates=rates)
         self.due, self.verifying_probe = 0, False
+        if b > 1 and not self.learned and self._too_few(b, left):
+            b = 1  # a guess on the prior with no room to recover if it is wrong
         if b > 1 or self.max_block == 1:
             self.plain_steps = 0
             self.speculated, self.failed_probes = True, 0
@@ -224,7 +229,7 @@ class AdaptiveBlock:
         self.plain_steps += 1
         if self.plain_steps < self.probe_interval(probe):
             return 1
-        if left is not None and left < probe + self.probe_every:
+        if self._too_few(probe, left):
             return 1  # too few tokens after its judging for speculation to repay it: it stays due
         self.plain_steps = 0  # a probe is due
         if self.speculated and self.verified_probe_loss(probe) <= self.drafted_probe_loss(probe):
@@ -232,6 +237,10 @@ class AdaptiveBlock:
             return probe
         self.due = probe
         return 1
+
+    def _too_few(self, block: int, left: Optional[int]) -> bool:
+        """Whether fewer than ``block`` + ``probe_every`` tokens are left to generate."""
+        return left is not None and left < block + self.probe_every
 
     def probe(self) -> int:
         """After ``choose`` answered 1: the block of a probe to draft beside

@@ -304,3 +304,17 @@ def test_nothing_is_queued_after_the_last_token_the_caller_takes(target_dirs, dr
     got = generate(target, draft, tokenizer, PROMPT, max_tokens=3, block_size=4)
     assert got.tokens == greedy_reference(model, PROMPT, 3) and got.block_sizes[0] == 2
     assert all(b <= 2 for b in got.block_sizes)
+
+
+def test_speculation_on_the_prior_alone_waits_for_room_to_recover():
+    """Before any outcome, a block the prior favours is drafted only where
+    at least it plus ``PROBE_EVERY`` tokens are left; once outcomes are
+    learned, the estimate is trusted whatever is left."""
+    free = CostCurve((1, 16), (1.0, 1.0), (0.0, 0.001))  # every block costs about a plain step
+    assert AdaptiveBlock(free, 4).choose(0, left=4 + PROBE_EVERY) == 4
+    assert AdaptiveBlock(free, 4).choose(0) == 4  # no limit given
+    guessing = AdaptiveBlock(free, 4)
+    assert guessing.choose(0, left=4 + PROBE_EVERY - 1) == 1
+    learned = AdaptiveBlock(free, 4)
+    learned.update(4, 3)
+    assert learned.choose(0, left=3) == 4  # the decoder then cuts it to the 3 tokens left
