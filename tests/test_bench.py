@@ -274,8 +274,8 @@ def test_auto_runs_price_their_blocks_on_the_curve_the_bench_holds(pair, tmp_pat
     fallback = cc.CostCurve((1, 4), (1.0, 1.0), (0.0, 1.0))
     monkeypatch.setattr(cc, "measure", lambda *a, **k: measured.append(a) or fallback)
     curve = cc.CostCurve((1, 4), (0.01, 0.011), (0.0, draft_ms / 1000))
-    result = runs.run_bench(model, draft, tokenizer, PROMPTS, arms=[Arm("auto")], max_tokens=12,
-                            chat_template=False, warmup_tokens=2, cost_curve=curve)
+    result = runs.run_bench(model, draft, tokenizer, PROMPTS, arms=[Arm("auto")], max_tokens=16,
+                            chat_template=False, warmup_tokens=2, cost_curve=curve)  # room for a guess at b = 4
     blocks = [b for r in result["runs"] if r["arm"] == DFLASH for b in r["blocks"]]
     assert measured == [] and blocks
     assert (set(blocks) == {1}) is plain
