@@ -63,6 +63,7 @@ BUDGET_S = 1.0  # about this long for the whole measurement
 MAX_REPEATS = 5
 BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # in the key when set
 PLAIN_STEPS = 24  # plain steps timed in a row for b = 1 (their median)
+MEASURE_TRIES = 3  # measurements at most, while a plain step times faster at the long context than the short
 
 
 @dataclass(frozen=True)
@@ -325,15 +326,28 @@ def _inject_seconds(target: Target, draft: DFlashDraft) -> float:
 
 
 def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
-            budget_s: float = BUDGET_S) -> CostCurve:
+            budget_s: float = BUDGET_S, agree: Callable[[bool], bool] = bool) -> CostCurve:
     """Time every pass at ``CONTEXT`` and at ``long_context`` tokens (half the
     budget each; see ``_pass_seconds``), and the injection of a plain step's
     position. Each pass's slopes over the sizes are one straight line fitted
     to them (``slope_line``): b queries attend over the context, and a line
-    is steadier than each difference of two noisy timings."""
-    near = _pass_seconds(target, draft, sizes, CONTEXT, budget_s / 2)
+    is steadier than each difference of two noisy timings.
+
+    A plain step over the long context cannot cost less than over the short
+    one; where it times so, something held up the short context's timings
+    (a curve measured while the test suite ran priced the demo target's
+    plain step at 8.5 ms at 64 tokens and no more at 2,048, against 5.6 ms
+    then observed at 2,500, and auto speculated at a loss there), and both
+    are timed again, ``MEASURE_TRIES`` times at most (the last kept).
+    ``agree`` turns this process's verdict into the one every process
+    measuring together acts on (ranks of a sharded target run the same
+    collectives)."""
     far_context = long_context(target, sizes)
-    far = near if far_context is None else _pass_seconds(target, draft, sizes, far_context, budget_s / 2)
+    for _ in range(MEASURE_TRIES):
+        near = _pass_seconds(target, draft, sizes, CONTEXT, budget_s / 2)
+        far = near if far_context is None else _pass_seconds(target, draft, sizes, far_context, budget_s / 2)
+        if agree(far is near or far[1, "target"] >= near[1, "target"]):
+            break
     span = max((far_context or CONTEXT) - CONTEXT, 1)
 
     def slope(kind: str, first: int) -> tuple[float, ...]:

@@ -150,7 +150,8 @@ def shared_cost_curve(target: Target, draft: DFlashDraft, group: mx.distributed.
     """Rank 0's cost curve on every rank, so the adaptive block policy picks the
     same block everywhere: ``curve`` if given (the same sizes on every rank),
     else rank 0's cached one, else measured by all ranks together (one timed
-    repeat per pass, so every rank runs the same collectives) and cached by rank 0."""
+    repeat per pass, and timed again where rank 0's timings say so, so every
+    rank runs the same collectives) and cached by rank 0."""
     if curve is None:
         key = costs.cache_key(target, draft)
         key["distributed"] = f"{'pipeline' if isinstance(target, PipelineTarget) else 'tensor'} x{group.size()}"
@@ -159,7 +160,8 @@ def shared_cost_curve(target: Target, draft: DFlashDraft, group: mx.distributed.
         if broadcast(mx.array(cached is not None), group).item():
             curve = cached
         else:
-            curve = costs.measure(target, draft, tuple(key["sizes"]), budget_s=0.0)
+            curve = costs.measure(target, draft, tuple(key["sizes"]), budget_s=0.0,
+                                  agree=lambda consistent: bool(broadcast(mx.array(consistent), group).item()))
             if group.rank() == 0:
                 costs.write_cached(path, key, curve)
         sizes = tuple(key["sizes"])

@@ -228,6 +228,43 @@ def test_slopes_are_one_line_over_the_sizes():
     assert cc.slope_line((2,), (0.5,)) == (0.5,)
 
 
+def _scripted_passes(monkeypatch, plain_ms):
+    """Replace the pass timings by tables whose plain step takes the next of
+    ``plain_ms`` per call (near, far, near, far, ...); each pass at b > 1
+    takes 10 + b ms, b ms more at the long context. Returns the contexts timed."""
+    timed, plain = [], iter(plain_ms)
+
+    def passes(target, draft, sizes, context, budget_s):
+        timed.append(context)
+        far = context > cc.CONTEXT
+        table = {(b, kind): (10 + b + far * b) * 1e-3 for b in sizes if b > 1 for kind in ("target", "draft")}
+        table[1, "target"] = next(plain) * 1e-3
+        return table
+
+    monkeypatch.setattr(cc, "_pass_seconds", passes)
+    return timed
+
+
+def test_a_plain_step_timed_faster_over_the_long_context_is_timed_again(pair, monkeypatch):
+    """A held-up short-context timing would price the context at nothing: the
+    pair is timed again, and the first consistent measurement is the curve."""
+    target, draft = pair
+    sizes = (1, 2, 4, 8)
+    far = cc.long_context(target, sizes)
+    timed = _scripted_passes(monkeypatch, [8.0, 5.0, 4.0, 5.0, 9.0, 1.0])
+    curve = cc.measure(target, draft, sizes)
+    assert timed == [cc.CONTEXT, far] * 2  # held up once, then consistent
+    assert curve.target_s[0] == pytest.approx(4e-3)
+    assert curve.target_slope[0] == pytest.approx(1e-3 / (far - cc.CONTEXT))
+    timed = _scripted_passes(monkeypatch, [8.0, 5.0] * cc.MEASURE_TRIES)
+    held_up = cc.measure(target, draft, sizes)
+    assert len(timed) == 2 * cc.MEASURE_TRIES  # never consistent: the last is kept
+    assert held_up.target_s[0] == pytest.approx(8e-3)
+    timed = _scripted_passes(monkeypatch, [8.0, 5.0, 4.0, 5.0])
+    cc.measure(target, draft, sizes, agree=lambda consistent: True)  # another rank's verdict rules
+    assert len(timed) == 2
+
+
 def test_the_long_context_fits_the_targets_positions(pair):
     target, _ = pair
     sizes = (1, 2, 4, 8)
