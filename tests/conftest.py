@@ -1,13 +1,16 @@
 """Session fixtures: tiny target checkpoints for every family and DFlash drafts for them."""
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 # cost curves measured by tests (block_size="auto") stay out of the user's cache,
-# subprocesses included
+# subprocesses included; removed when this process (each xdist worker) exits
 os.environ["DFLASH_MLX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash-mlx-test-cache-")
+atexit.register(shutil.rmtree, os.environ["DFLASH_MLX_CACHE_DIR"], ignore_errors=True)
 
 import pytest
 from checkpoints import FAMILIES, write_draft, write_target
