@@ -57,7 +57,7 @@ outcome, either kind, weighs ``PROBE_RATE`` in each c_i it reached, more
 than a speculative cycle's ``RATE``.
 
 Given the curve, the contexts and the outcomes, the choices are
-deterministic, unless a ``DriftWatch`` (``cost_curve.py``) finds the
+deterministic, unless a ``DriftWatch`` (``drift_watch.py``) finds the
 observed cycle times drifted from the curve: from then on the costs are
 scaled by what it observes.
 """

@@ -33,11 +33,9 @@ import functools
 import hashlib
 import itertools
 import json
-import math
 import os
 import statistics
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -57,8 +55,6 @@ SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # measured where they fit the draft's trai
 CONTEXT = 64  # tokens in the caches while measuring
 LONG_CONTEXT = 2048  # the second context timed, for the slopes
 INJECT_BATCH = 64  # positions injected in one batch while measuring inject_s
-DRIFT = 1.5  # observed over predicted cycle seconds past this, or under its inverse: drifted
-DRIFT_WINDOW = 32  # the last cycles of a kind (plain, speculative) whose median ratio is judged
 BUDGET_S = 1.0  # about this long for the whole measurement
 MAX_REPEATS = 5
 BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # in the key when set
@@ -406,59 +402,3 @@ def forget(target: Target, draft: DFlashDraft, directory: Optional[os.PathLike] 
         path.unlink(missing_ok=True)
     except OSError:
         pass
-
-
-class DriftWatch:
-    """Times the loop's cycles against the curve (the interval between the
-    ends of consecutive cycles, as the host sees them) and tells when they
-    drifted from it: when the median ratio of observed to predicted seconds
-    over the last ``DRIFT_WINDOW`` plain steps, or speculative cycles, lies
-    past ``DRIFT`` either way (a loaded machine, another power state). Then
-    ``on_drift`` runs once (``forget``: the next generation measures the curve
-    again) and ``factor`` gives each kind's median ratio from then on (to 1/8
-    of an octave; 1 for a kind not yet timed three times, so that the policy
-    tries it rather than assume it drifted alike), by which the policy scales
-    the curve for the rest of the run."""
-
-    def __init__(self, curve: CostCurve, on_drift: Optional[Callable[[], None]] = None,
-                 clock: Callable[[], float] = time.perf_counter, window: int = DRIFT_WINDOW,
-                 tolerance: float = DRIFT):
-        self.curve = curve
-        self.on_drift = on_drift
-        self.clock = clock
-        self.tolerance = tolerance
-        self.ratios = {False: deque(maxlen=window), True: deque(maxlen=window)}  # by b > 1
-        self.last: Optional[float] = None
-        self.drifted = False
-        self.factors = (1.0, 1.0)
-
-    def cycle_done(self, block_size: int, context: int) -> None:
-        now = self.clock()
-        if self.last is not None:
-            ratios = self.ratios[block_size > 1]
-            ratios.append((now - self.last) / self.curve.cycle_seconds(block_size, context))
-            if not self.drifted and len(ratios) == ratios.maxlen:
-                median = statistics.median(ratios)
-                if not 1 / self.tolerance <= median <= self.tolerance:
-                    self.drifted = True
-                    if self.on_drift:
-                        self.on_drift()
-            if self.drifted:
-                self._rescale()
-        self.last = now
-
-    def _rescale(self) -> None:
-        step = lambda r: 2 ** (round(math.log2(max(statistics.median(r), 1e-9)) * 8) / 8)  # noqa: E731
-        self.factors = tuple(step(self.ratios[kind]) if len(self.ratios[kind]) >= 3 else 1.0
-                             for kind in (False, True))
-
-    def factor(self, block_size: int) -> float:
-        return self.factors[block_size > 1]
-
-
-@dataclass(frozen=True)
-class Watched:
-    """A given curve each generation watches for drift as it does the measured
-    one, with nothing cached to forget (bench's auto runs: priced as a user's)."""
-
-    curve: CostCurve

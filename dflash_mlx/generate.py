@@ -19,6 +19,7 @@ from . import structured, validate
 from .block_policy import AdaptiveBlock, FixedBlock
 from .chat import encode
 from .decoder import ContextCache, SpeculativeDecoder, proposer_for
+from .drift_watch import DriftWatch, Watched
 from .draft import DFlashDraft
 from .draft import subset_head
 from .errors import DFlashError
@@ -139,7 +140,7 @@ def stream_generate(
     logit_bias: Optional[dict[int, float]] = None,
     context: Optional[ContextCache] = None,
     tree_budget: Optional[int] = None,
-    cost_curve: Union[costs.CostCurve, costs.Watched, None] = None,
+    cost_curve: Union[costs.CostCurve, Watched, None] = None,
     draft_vocab: Optional[int] = None,
     logprobs: bool = False,
     kv_bits: Optional[int] = None,
@@ -161,7 +162,7 @@ def stream_generate(
     picks each cycle's block, 1 to the trained size, for the most expected
     tokens per second (``block_policy.AdaptiveBlock``) from ``cost_curve``
     (default: the pair's, measured on this machine at first use and cached,
-    ``cost_curve.py``; a ``CostCurve`` is taken as it is, a ``Watched`` one
+    ``cost_curve.py``; a ``CostCurve`` is taken as it is, a ``drift_watch.Watched`` one
     watched for drift as the default is); None is the trained size. The block never changes
     the output's distribution; each response reports the block it used.
     ``context`` continues from caches that already hold a proper prefix of the
@@ -186,7 +187,7 @@ def stream_generate(
     output this then equals (``kv_quantization.py``); None keeps them full precision.
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})
-    validate.loaded(model, draft, tokenizer, cost_curve, (costs.CostCurve, costs.Watched))
+    validate.loaded(model, draft, tokenizer, cost_curve, (costs.CostCurve, Watched))
     target = model if isinstance(model, Target) else Target(model)
     check_pair(target, draft)
     trained = draft.config.block_size
@@ -285,16 +286,16 @@ def stream_generate(
 
 
 def auto_policy(target: Target, draft: DFlashDraft,
-                curve: Union[costs.CostCurve, costs.Watched, None]) -> AdaptiveBlock:
+                curve: Union[costs.CostCurve, Watched, None]) -> AdaptiveBlock:
     """``block_size="auto"``'s policy: on the given curve as it is; on a
     ``Watched`` one watched for drift; or on the pair's measured one, watched
     so and measured again next time once the cycles drift from it."""
-    if isinstance(curve, costs.Watched):
-        return AdaptiveBlock(curve.curve, draft.config.block_size, watch=costs.DriftWatch(curve.curve))
+    if isinstance(curve, Watched):
+        return AdaptiveBlock(curve.curve, draft.config.block_size, watch=DriftWatch(curve.curve))
     if curve is not None:
         return AdaptiveBlock(curve, draft.config.block_size)
     curve = costs.cost_curve(target, draft)
-    watch = costs.DriftWatch(curve, on_drift=lambda: costs.forget(target, draft))
+    watch = DriftWatch(curve, on_drift=lambda: costs.forget(target, draft))
     return AdaptiveBlock(curve, draft.config.block_size, watch=watch)
 
 

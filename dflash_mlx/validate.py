@@ -219,7 +219,7 @@ def tree_budget(value, context: Optional[int], name: str = "tree_budget") -> Opt
 def loaded(model, draft, tokenizer, cost_curve, curve_types: tuple) -> None:
     """The objects ``stream_generate`` takes: a target model (mlx-lm's, or a
     ``Target``), a DFlash draft (``load_draft``), its tokenizer and a cost
-    curve or None (``curve_types``, ``cost_curve.CostCurve`` and ``Watched``:
+    curve or None (``curve_types``, ``cost_curve.CostCurve`` and ``drift_watch.Watched``:
     passed in, as that module imports this one through the decoder)."""
     import mlx.nn as nn
 
@@ -236,7 +236,7 @@ def loaded(model, draft, tokenizer, cost_curve, curve_types: tuple) -> None:
     if not callable(getattr(tokenizer, "encode", None)):
         raise DFlashError(f"tokenizer must be the target's tokenizer (from dflash_mlx.load), got {kind(tokenizer)}")
     if cost_curve is not None and not isinstance(cost_curve, curve_types):
-        raise DFlashError(f"cost_curve must be a CostCurve or Watched (dflash_mlx.cost_curve) or None, "
+        raise DFlashError(f"cost_curve must be a CostCurve (dflash_mlx.cost_curve) or Watched (dflash_mlx.drift_watch) or None, "
                           f"got {cost_curve!r}")
 
 

@@ -11,6 +11,7 @@ from mlx_lm import load as mlx_lm_load
 from dflash_mlx import Target, load_draft
 from dflash_mlx import cost_curve as cc
 from dflash_mlx.cost_curve import CostCurve
+from dflash_mlx.drift_watch import DriftWatch, Watched
 
 SYNTHETIC = CostCurve((1, 2, 4, 8), (1.0, 2.0, 4.0, 6.0), (0.0, 1.0, 3.0, 5.0))
 
@@ -297,7 +298,7 @@ def _cycles(watch, clock, seconds, blocks, context=100):
 
 def test_cycles_near_the_curve_are_no_drift():
     clock, drifted = Clock(), []
-    watch = cc.DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)
+    watch = DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)
     _cycles(watch, clock, lambda b: 1.3 * CONTEXTUAL.cycle_seconds(b, 100), [1, 1, 2] * 20)
     assert not drifted and watch.factor(1) == watch.factor(2) == 1.0
 
@@ -308,7 +309,7 @@ def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
     from dflash_mlx.block_policy import AdaptiveBlock
 
     clock, drifted = Clock(), []
-    watch = cc.DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)
+    watch = DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)
     slowed = lambda b: CONTEXTUAL.cycle_seconds(b, 100) * (2.0 if b == 1 else 1.0)  # noqa: E731
     _cycles(watch, clock, slowed, [1] * 7 + [2, 2, 2])
     assert not drifted  # seven plain steps timed: not yet a window's worth
@@ -316,7 +317,7 @@ def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
     assert drifted == [True] and watch.factor(1) == 2.0 and watch.factor(2) == 1.0
     _cycles(watch, clock, slowed, [1] * 20)
     assert drifted == [True]  # once
-    fresh = cc.DriftWatch(CONTEXTUAL, None, clock, window=8)
+    fresh = DriftWatch(CONTEXTUAL, None, clock, window=8)
     _cycles(fresh, clock, slowed, [1] * 9)
     assert fresh.drifted and fresh.factor(1) == 2.0 and fresh.factor(2) == 1.0  # not yet timed: tried as priced
     curve = CostCurve((1, 2), (1.0, 2.2), (0.0, 0.1))  # b = 2 nearly pays at tau 1.6 ...
@@ -333,13 +334,13 @@ def test_a_watched_curve_is_watched_in_each_generation_and_never_forgotten(pair,
     from dflash_mlx.generate import auto_policy, generate
 
     target, draft = pair
-    watched = [auto_policy(target, draft, cc.Watched(CONTEXTUAL)) for _ in range(2)]
+    watched = [auto_policy(target, draft, Watched(CONTEXTUAL)) for _ in range(2)]
     assert all(p.costs is CONTEXTUAL and p.watch.curve is CONTEXTUAL and p.watch.on_drift is None for p in watched)
     assert watched[0].watch is not watched[1].watch
     assert auto_policy(target, draft, CONTEXTUAL).watch is None
     monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
     _, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
-    got = generate(target.model, draft, tokenizer, [3, 4, 5], max_tokens=8, cost_curve=cc.Watched(CONTEXTUAL))
+    got = generate(target.model, draft, tokenizer, [3, 4, 5], max_tokens=8, cost_curve=Watched(CONTEXTUAL))
     assert len(got.tokens) == 8 and not counted and not list(tmp_path.iterdir())
 
 

@@ -8,7 +8,8 @@ from typing import Callable, Optional
 
 from .. import validate
 from ..chat import has_template, thinking_note
-from ..cost_curve import Watched, cost_curve
+from ..cost_curve import cost_curve
+from ..drift_watch import Watched
 from ..distributed import session, shared_cost_curve, talks
 from ..draft import DraftConfig, is_dflash2
 from ..errors import DFlashError
