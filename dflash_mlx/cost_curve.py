@@ -50,7 +50,8 @@ from .target import Target
 from .verify import greedy_verify
 
 SCHEMA = "dflash-mlx-cost-curve"
-SCHEMA_VERSION = 3  # 2: context slopes, a plain step's injection; 3: slopes from 2,048 tokens, a plain step's median
+SCHEMA_VERSION = 4  # 2: context slopes, a plain step's injection; 3: slopes from 2,048 tokens, a plain step's median;
+# 4: timed again while a plain step times faster at the long context (older entries may hold such a curve)
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # measured where they fit the draft's trained size
 CONTEXT = 64  # tokens in the caches while measuring
 LONG_CONTEXT = 2048  # the second context timed, for the slopes
