@@ -41,8 +41,14 @@ the plain steps' time, so text that turns predictable again is found soon
 and probes that keep finding nothing cost the budget. A probe waits while fewer
 than its block plus ``probe_every`` tokens are left to generate (when the
 caller says how many): speculation after it would have too few tokens to
-repay it. Speculation on the prior alone is a guess of the same kind and
-waits alike: a draft's first blocks are often far below the prior (on the
+repay it; and while it would lose more than ``PROBE_SHARE`` (2%) of the time
+of the plain steps left, so that a probe that finds nothing leaves the run
+within 2% of plain decoding (the demo draft's pass costs about a plain step
+on a CPU: no probe in a 40-token generation, where one took 3%, while a
+96-token one still probes 8 steps in; a real pair's draft is a tenth of its
+target, and its probes wait for the block plus 8 tokens alone).
+Speculation on the prior alone is a guess of the same kind and waits for
+its block plus ``probe_every`` tokens alike: a draft's first blocks are often far below the prior (on the
 demo pair, two failed blocks of 8 cost most of a 12-token generation), so a
 short generation runs plain. Until a speculative
 cycle has paid for itself in the generation (its tokens worth more plain
@@ -69,6 +75,7 @@ PRIOR_ACCEPTANCE = 0.75  # c_i before any outcome: tau 4 at b = 16, below what t
 RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycles count)
 PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
 PROBE_BUDGET = 0.01  # the most of the plain steps' time the probes' draft passes may take
+PROBE_SHARE = 0.02  # the most of the time of the plain steps left to generate that one probe may take
 PRIOR_MARGIN = 0.2  # on the prior alone, speculation must beat plain steps by this share
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
@@ -196,6 +203,11 @@ class AdaptiveBlock:
         draft = self.costs.draft(probe, self._priced_context())
         return draft * (self.watch.factor(probe) if self.watch else 1.0)
 
+    def probe_loss(self, probe: int) -> float:
+        """Seconds a probe at block ``probe`` loses, the cheaper way it may be taken."""
+        loss = self.drafted_probe_loss(probe)
+        return min(loss, self.verified_probe_loss(probe)) if self.speculated else loss
+
     def probe_interval(self, probe: int) -> int:
         """Plain steps before a probe at block ``probe``: enough that the
         probe's loss is ``probe_budget`` of their time, and at least
@@ -204,10 +216,7 @@ class AdaptiveBlock:
         before the generation's first probe (speculation that ran without
         paying does not bring the fast spacing back: it would verify a probe
         every ``probe_every`` steps, each a lost cycle where the drafts fail)."""
-        loss = self.drafted_probe_loss(probe)
-        if self.speculated:
-            loss = min(loss, self.verified_probe_loss(probe))
-        interval = math.ceil(loss / (self.probe_budget * self.cycle_seconds(1)))
+        interval = math.ceil(self.probe_loss(probe) / (self.probe_budget * self.cycle_seconds(1)))
         if self.paid or not self.probed_before:
             interval = min(interval, self.probe_every * 2**self.failed_probes)
         return max(self.probe_every, interval)
@@ -229,8 +238,8 @@ class AdaptiveBlock:
         self.plain_steps += 1
         if self.plain_steps < self.probe_interval(probe):
             return 1
-        if self._too_few(probe, left):
-            return 1  # too few tokens after its judging for speculation to repay it: it stays due
+        if self._too_few(probe, left) or self._too_dear(probe, left):
+            return 1  # too few tokens after it for speculation to repay it: it stays due
         self.plain_steps = 0  # a probe is due
         if self.speculated and self.verified_probe_loss(probe) <= self.drafted_probe_loss(probe):
             self.verifying_probe = True  # the tokens it makes pay for more than a draft pass alone
@@ -241,6 +250,11 @@ class AdaptiveBlock:
     def _too_few(self, block: int, left: Optional[int]) -> bool:
         """Whether fewer than ``block`` + ``probe_every`` tokens are left to generate."""
         return left is not None and left < block + self.probe_every
+
+    def _too_dear(self, probe: int, left: Optional[int]) -> bool:
+        """Whether the probe would lose more than ``PROBE_SHARE`` of the time
+        of the plain steps left to generate."""
+        return left is not None and self.probe_loss(probe) > PROBE_SHARE * left * self.cycle_seconds(1)
 
     def probe(self) -> int:
         """After ``choose`` answered 1: the block of a probe to draft beside

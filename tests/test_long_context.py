@@ -11,7 +11,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.block_policy import PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
+from dflash_mlx.block_policy import PROBE_BUDGET, PROBE_EVERY, PROBE_SHARE, AdaptiveBlock, FixedBlock
 from dflash_mlx.cost_curve import CostCurve
 from dflash_mlx.decoder import ContextCache, DraftProposer, SpeculativeDecoder, prefill_chunks, proposer_for
 from test_loop import greedy_reference
@@ -263,7 +263,7 @@ def test_probes_cost_at_most_their_budget_of_the_plain_steps():
 def test_a_probe_waits_while_too_few_tokens_are_left_to_repay_it():
     """A due probe is drafted only where at least its block plus
     ``PROBE_EVERY`` tokens are left to generate (or the caller set no limit)."""
-    curve = CostCurve((1, 16), (1.0, 4.0), (0.0, 1.0))
+    curve = CostCurve((1, 16), (1.0, 8.0), (0.0, 0.2))  # a cheap draft: its share of what is left is no bar
     policy = AdaptiveBlock(curve, 4)
     for _ in range(PROBE_EVERY - 1):
         assert policy.choose(0, left=1000) == 1 and policy.probe() == 0
@@ -275,20 +275,35 @@ def test_a_probe_waits_while_too_few_tokens_are_left_to_repay_it():
     assert [unlimited.choose() == 1 and unlimited.probe() for _ in range(PROBE_EVERY)][-1] == block
 
 
-@pytest.mark.parametrize("max_tokens", [12, 40])
-def test_a_short_generation_drafts_no_probe_it_cannot_repay(target_dirs, draft_dir, max_tokens):
+def test_a_probe_waits_while_it_would_take_more_than_its_share_of_the_steps_left():
+    """A due probe whose draft pass costs a plain step is drafted only where
+    it takes at most ``PROBE_SHARE`` of the plain steps left: 50 of them."""
+    curve = CostCurve((1, 16), (1.0, 4.0), (0.0, 1.0))
+    policy = AdaptiveBlock(curve, 4)
+    for _ in range(PROBE_EVERY - 1):
+        assert policy.choose(0, left=1000) == 1 and policy.probe() == 0
+    block = policy.best(low=2)
+    assert policy.probe_loss(block) == pytest.approx(1.0 * PROBE_SHARE * 50)
+    assert policy.choose(0, left=49) == 1 and policy.probe() == 0  # still due, not taken
+    assert policy.choose(0, left=51) == 1 and policy.probe() == block
+
+
+@pytest.mark.parametrize("draft_s, max_tokens, probes", [(0.3, 12, 0), (0.3, 40, 1), (1.0, 40, 0), (1.0, 60, 1)])
+def test_a_short_generation_drafts_no_probe_it_cannot_repay(target_dirs, draft_dir, draft_s, max_tokens, probes):
     """With plain steps the curve's choice, the probe due 8 steps in is
     drafted in a 40-token generation (its plain steps are injected for it)
-    and not in a 12-token one; the output is mlx-lm's either way."""
+    and not in a 12-token one; where its draft pass costs a plain step,
+    not in a 40-token one either (more than 2% of the 32 steps left), but
+    in a 60-token one; the output is mlx-lm's either way."""
     model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
     target, draft = Target(model), load_draft(str(draft_dir("qwen3", block_size=4)))
     injected, inject = [], draft.inject
     draft.inject = lambda features, cache: (injected.append(features.shape[1]), inject(features, cache))[1]
-    dear = CostCurve((1, 16), (1.0, 16.0), (0.0, 100.0))  # every cycle a plain step
+    dear = CostCurve((1, 16), (1.0, 16.0), (0.0, draft_s))  # every cycle a plain step
     got = generate(target, draft, tokenizer, PROMPT, max_tokens=max_tokens, cost_curve=dear)
     assert got.tokens == greedy_reference(model, PROMPT, max_tokens) and set(got.block_sizes) == {1}
     probed = injected[2:]  # past the prompt's chunk and its last token: a probe's catch-up
-    assert len(probed) == (1 if max_tokens == 40 else 0), probed  # one probe, 8 plain steps in
+    assert len(probed) == probes, probed  # one probe, 8 plain steps in
 
 
 def test_nothing_is_queued_after_the_last_token_the_caller_takes(target_dirs, draft_dir):
