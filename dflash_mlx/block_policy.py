@@ -48,10 +48,10 @@ on a CPU: no probe in a 40-token generation, where one took 3%, while a
 96-token one still probes 8 steps in; a real pair's draft is a tenth of its
 target, and its probes wait for the block plus 8 tokens alone).
 Speculation on the prior alone is a guess of the same kind and waits for
-its block plus ``probe_every`` tokens alike: a draft's first blocks are often far below the prior (on the
-demo pair, two failed blocks of 8 cost most of a 12-token generation), so a
-short generation runs plain. Until a speculative
-cycle has paid for itself in the generation (its tokens worth more plain
+its block plus ``probe_every`` tokens alike: a draft's first blocks are
+often far below the prior (on the demo pair, two failed blocks of 8 cost
+most of a 12-token generation), so a short generation runs plain. Until a
+speculative cycle has paid for itself in the generation (its tokens worth more plain
 steps than it took), the probes after the first keep the budget's spacing:
 nothing has shown the drafts pay here, a long prompt's draft pass can cost
 about a plain step, and a short generation would pay for a quick succession
@@ -239,7 +239,7 @@ class AdaptiveBlock:
         if self.plain_steps < self.probe_interval(probe):
             return 1
         if self._too_few(probe, left) or self._too_dear(probe, left):
-            return 1  # too few tokens after it for speculation to repay it: it stays due
+            return 1  # too few tokens left to repay it, or too dear a share of them: it stays due
         self.plain_steps = 0  # a probe is due
         if self.speculated and self.verified_probe_loss(probe) <= self.drafted_probe_loss(probe):
             self.verifying_probe = True  # the tokens it makes pay for more than a draft pass alone

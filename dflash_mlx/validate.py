@@ -236,8 +236,8 @@ def loaded(model, draft, tokenizer, cost_curve, curve_types: tuple) -> None:
     if not callable(getattr(tokenizer, "encode", None)):
         raise DFlashError(f"tokenizer must be the target's tokenizer (from dflash_mlx.load), got {kind(tokenizer)}")
     if cost_curve is not None and not isinstance(cost_curve, curve_types):
-        raise DFlashError(f"cost_curve must be a CostCurve (dflash_mlx.cost_curve) or Watched (dflash_mlx.drift_watch) or None, "
-                          f"got {cost_curve!r}")
+        raise DFlashError(f"cost_curve must be a CostCurve (dflash_mlx.cost_curve), a Watched one "
+                          f"(dflash_mlx.drift_watch) or None, got {cost_curve!r}")
 
 
 def writable(path, name: str) -> None:
