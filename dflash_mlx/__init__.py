@@ -1,10 +1,11 @@
 """dflash-mlx: lossless DFlash block speculative decoding on MLX."""
 
+from . import loop  # noqa: F401  (before draft/: its kernels use loop/acceptance.py, and the loop needs draft/)
 from .draft import DFlashDraft, DraftConfig
 from .errors import DFlashError
 from .generate import GenerationResponse, GenerationResult, generate, stream_generate
 from .loading import load, load_draft
-from .target import Target
+from .targets import Target
 
 __all__ = [
     "DFlashDraft",

@@ -3,7 +3,7 @@
 Every rank of an ``mx.distributed`` group (started by ``mlx.launch``) loads
 the target with mlx-lm's ``sharded_load`` (tensor parallel: each layer's
 linears split across the ranks, summed inside the layer; or pipeline stages:
-each rank a run of layers, ``target/sharded.py``), loads the draft whole, and
+each rank a run of layers, ``targets/sharded.py``), loads the draft whole, and
 runs the same decoding loop. The ranks reach the same decisions because
 everything a decision depends on is the same on every rank: the collectives
 give every rank the same hidden states, hence the same logits and features;
@@ -30,14 +30,14 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import sharded_load
 
-from . import cost_curve as costs
 from . import validate
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .generate import GenerationResponse
 from .generate import stream_generate as stream_generate_on_this_rank
 from .loading import resolve
-from .target import PipelineTarget, Target, sharded_target
+from .loop import cost_curve as costs
+from .targets import PipelineTarget, Target, sharded_target
 
 MODES = ("tensor", "pipeline")
 TIMEOUT_S = 300.0  # seconds without a generated response before a rank gives up on the group

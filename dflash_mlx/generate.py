@@ -14,19 +14,17 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import cost_curve as costs
 from . import structured, validate
-from .block_policy import AdaptiveBlock, FixedBlock
 from .chat import encode
-from .decoder import ContextCache, SpeculativeDecoder, proposer_for
-from .drift_watch import DriftWatch, Watched
 from .draft import DFlashDraft
 from .draft import subset_head
 from .errors import DFlashError
 from .kv_quantization import DEFAULT_QUANTIZED_KV_START, KVQuantization
-from .target import check_forward
-from .sampling import BlockSampler, SamplingParams
-from .target import Target
+from .loop import cost_curve as costs
+from .loop import (AdaptiveBlock, BlockSampler, ContextCache, DriftWatch, FixedBlock, SamplingParams,
+                   SpeculativeDecoder, Watched, proposer_for)
+from .targets import check_forward
+from .targets import Target
 from .tree import TreeDecoder
 
 CLEAR_CACHE_EVERY = 256  # generated tokens between frees of MLX's allocator cache, as mlx-lm's
@@ -160,9 +158,9 @@ def stream_generate(
     ``dflash_mlx.validate``; a ``block_size`` above the draft's trained size
     warns, above twice it is an error. ``block_size="auto"`` (the default)
     picks each cycle's block, 1 to the trained size, for the most expected
-    tokens per second (``block_policy.AdaptiveBlock``) from ``cost_curve``
+    tokens per second (``loop.AdaptiveBlock``) from ``cost_curve``
     (default: the pair's, measured on this machine at first use and cached,
-    ``cost_curve.py``; a ``CostCurve`` is taken as it is, a ``drift_watch.Watched`` one
+    ``loop/cost_curve.py``; a ``CostCurve`` is taken as it is, a ``loop.Watched`` one
     watched for drift as the default is); None is the trained size. The block never changes
     the output's distribution; each response reports the block it used.
     ``context`` continues from caches that already hold a proper prefix of the

@@ -10,7 +10,7 @@ exactly when s > 0 and s >= start, whatever the passes before it were, and
 the decoder converts at that point, before the pass. Two passes must not
 straddle the start, since mlx-lm's would have seen the switch inside them: a
 verified block is cut to end at the start (``block``), and the prompt's last
-token is prefilled alone, as mlx-lm prefills it (``decoder.prefill_chunks``).
+token is prefilled alone, as mlx-lm prefills it (``loop.prefill_chunks``).
 
 Recurrent layers keep their ``ArraysCache``; sliding-window layers keep a plain
 cache (mlx-lm cannot quantize its rotating one). ``QuantizedKVCache.trim`` only
@@ -23,7 +23,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .errors import DFlashError
 
-FULL_ATTENTION = "full_attention"  # the layer kind whose cache is quantized (target/layer_kinds.py)
+FULL_ATTENTION = "full_attention"  # the layer kind whose cache is quantized (targets/layer_kinds.py)
 
 
 @dataclass(frozen=True)

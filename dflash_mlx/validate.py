@@ -19,7 +19,7 @@ MAX_SEED = 2**64  # mx.random.seed takes an unsigned 64-bit integer
 BLOCK_CAP_FACTOR = 2  # a block may be at most this many times the draft's trained size
 KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs (a quantized KV cache, kv_quantization.py)
 KV_GROUP_SIZES = (32, 64, 128)
-AUTO = "auto"  # block_size: chosen per cycle from the cost curve and acceptance (block_policy.py)
+AUTO = "auto"  # block_size: chosen per cycle from the cost curve and acceptance (loop/block_policy.py)
 
 
 class UntrainedBlockWarning(UserWarning):
@@ -219,12 +219,12 @@ def tree_budget(value, context: Optional[int], name: str = "tree_budget") -> Opt
 def loaded(model, draft, tokenizer, cost_curve, curve_types: tuple) -> None:
     """The objects ``stream_generate`` takes: a target model (mlx-lm's, or a
     ``Target``), a DFlash draft (``load_draft``), its tokenizer and a cost
-    curve or None (``curve_types``, ``cost_curve.CostCurve`` and ``drift_watch.Watched``:
+    curve or None (``curve_types``, ``loop.cost_curve.CostCurve`` and ``loop.drift_watch.Watched``:
     passed in, as that module imports this one through the decoder)."""
     import mlx.nn as nn
 
     from .draft import DFlashDraft
-    from .target import Target
+    from .targets import Target
 
     def kind(value) -> str:
         return "None" if value is None else f"{type(value).__module__}.{type(value).__name__}"
@@ -236,8 +236,8 @@ def loaded(model, draft, tokenizer, cost_curve, curve_types: tuple) -> None:
     if not callable(getattr(tokenizer, "encode", None)):
         raise DFlashError(f"tokenizer must be the target's tokenizer (from dflash_mlx.load), got {kind(tokenizer)}")
     if cost_curve is not None and not isinstance(cost_curve, curve_types):
-        raise DFlashError(f"cost_curve must be a CostCurve (dflash_mlx.cost_curve), a Watched one "
-                          f"(dflash_mlx.drift_watch) or None, got {cost_curve!r}")
+        raise DFlashError(f"cost_curve must be a CostCurve (dflash_mlx.loop.cost_curve), a Watched one "
+                          f"(dflash_mlx.loop.drift_watch) or None, got {cost_curve!r}")
 
 
 def writable(path, name: str) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from dflash_mlx import Target
 from dflash_mlx.bench.synthetic import synthetic_target
-from dflash_mlx.decoder import DraftProposer
+from dflash_mlx.loop.decoder import DraftProposer
 from dflash_mlx.draft import DFlashDraft
 from dflash_mlx.draft import rank_tokens, subset_head
 from dflash_mlx.train.config import DraftTrainConfig, draft_config_for

@@ -22,7 +22,7 @@ from mlx_lm.sample_utils import make_sampler
 from dflash_mlx import Target, load, load_draft, stream_generate
 from dflash_mlx.bench.long_context import context_prompts
 from dflash_mlx.bench.runs import fresh
-from dflash_mlx.cost_curve import cost_curve
+from dflash_mlx.loop.cost_curve import cost_curve
 from dflash_mlx.demo import demo_pair
 
 pair = demo_pair()

@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import save_config, save_model
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from dflash_mlx.target import SUPPORTED_MODEL_TYPES as FAMILIES  # one checkpoint per supported family
+from dflash_mlx.targets import SUPPORTED_MODEL_TYPES as FAMILIES  # one checkpoint per supported family
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 MASK_TOKEN = "<mask>"  # always the last id, vocab_size - 1

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 
 from dflash_mlx import DFlashError, distributed, load_draft
-from dflash_mlx.cost_curve import CostCurve
+from dflash_mlx.loop.cost_curve import CostCurve
 
 
 def mlx_lm_greedy(target, prompt: list[int], max_tokens: int, eos: set) -> list[int]:

@@ -266,7 +266,7 @@ def test_auto_runs_price_their_blocks_on_the_curve_the_bench_holds(pair, tmp_pat
     """Given a curve, every auto run prices on it and none measures one (a
     measurement inside a timed run would land in its prefill): a draft priced
     dear keeps every cycle plain, one priced nearly free speculates."""
-    from dflash_mlx import cost_curve as cc
+    from dflash_mlx.loop import cost_curve as cc
 
     model, draft, tokenizer = pair
     monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))  # nothing cached: a run reading it would measure

@@ -14,10 +14,10 @@ from mlx_lm import load as mlx_lm_load
 
 from checkpoints import build_target
 from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generate
-from dflash_mlx.block_policy import PRIOR_ACCEPTANCE, PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
-from dflash_mlx.cost_curve import CostCurve
-from dflash_mlx.decoder import SpeculativeDecoder
-from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
+from dflash_mlx.loop.block_policy import PRIOR_ACCEPTANCE, PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
+from dflash_mlx.loop.cost_curve import CostCurve
+from dflash_mlx.loop.decoder import SpeculativeDecoder
+from dflash_mlx.loop.sampling import BlockSampler, SamplingParams, warp
 import test_sampling as sampled
 from test_loop import assert_same_or_near_tie, greedy_reference
 
@@ -463,7 +463,7 @@ def test_responses_report_the_block_of_each_cycle(qwen3_5):
 
 def test_auto_is_the_default_and_reads_the_cached_curve(qwen3_5, tmp_path, monkeypatch):
     """Without a curve the pair's is taken from the cache (measured there once)."""
-    from dflash_mlx import cost_curve as cc
+    from dflash_mlx.loop import cost_curve as cc
 
     model, tokenizer, draft = qwen3_5
     monkeypatch.setenv("DFLASH_MLX_CACHE_DIR", str(tmp_path))
@@ -535,7 +535,7 @@ def test_bench_runs_an_auto_arm_beside_fixed_blocks(target_dirs, draft_dir, tmp_
     baseline, and its report carries the blocks of every cycle."""
     from rich.console import Console
 
-    from dflash_mlx import cost_curve as cc
+    from dflash_mlx.loop import cost_curve as cc
     from dflash_mlx.bench import report, runs
     from dflash_mlx.bench.command import parse_block_sizes
     from dflash_mlx.bench.render import render

@@ -9,9 +9,9 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 
 from dflash_mlx import Target, load_draft
-from dflash_mlx import cost_curve as cc
-from dflash_mlx.cost_curve import CostCurve
-from dflash_mlx.drift_watch import DriftWatch, Watched
+from dflash_mlx.loop import cost_curve as cc
+from dflash_mlx.loop.cost_curve import CostCurve
+from dflash_mlx.loop.drift_watch import DriftWatch, Watched
 
 SYNTHETIC = CostCurve((1, 2, 4, 8), (1.0, 2.0, 4.0, 6.0), (0.0, 1.0, 3.0, 5.0))
 
@@ -74,7 +74,7 @@ def test_a_real_measurement_gives_a_valid_curve_over_the_trained_sizes(pair, tmp
 
 
 def test_a_plain_step_is_priced_at_the_median_step_so_one_held_up_step_does_not_move_it(pair):
-    from dflash_mlx.decoder import SpeculativeDecoder, proposer_for
+    from dflash_mlx.loop.decoder import SpeculativeDecoder, proposer_for
 
     target, draft = pair
     decoder = SpeculativeDecoder(target, proposer_for(draft, target), draft.config.target_layer_ids, 1)
@@ -306,7 +306,7 @@ def test_cycles_near_the_curve_are_no_drift():
 def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
     """t(1) doubles under load while the speculative cycles keep to the curve:
     the watch says so once, and the policy weighs the cycles as observed."""
-    from dflash_mlx.block_policy import AdaptiveBlock
+    from dflash_mlx.loop.block_policy import AdaptiveBlock
 
     clock, drifted = Clock(), []
     watch = DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)

@@ -12,9 +12,9 @@ from mlx_lm.generate import generate_step
 
 from checkpoints import write_dflash2_draft
 from dflash_mlx import DFlashError, Target, generate, load_draft
-from dflash_mlx.decoder import DFlash2Proposer, SpeculativeDecoder, proposer_for
+from dflash_mlx.loop.decoder import DFlash2Proposer, SpeculativeDecoder, proposer_for
 from dflash_mlx.draft import DFlash2Draft, DFlashDraft
-from dflash_mlx.sampling import BlockSampler, SamplingParams
+from dflash_mlx.loop.sampling import BlockSampler, SamplingParams
 
 FAMILIES = ["llama", "qwen3", "qwen3_5"]
 BLOCK = 8

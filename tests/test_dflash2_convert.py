@@ -15,8 +15,8 @@ from mlx_lm.generate import generate_step
 from checkpoints import write_dflash2_draft
 from dflash_mlx import DFlashError, Target, generate, load_draft
 from dflash_mlx.convert import convert_draft
-from dflash_mlx.decoder import DFlash2Proposer
-from dflash_mlx.sampling import BlockSampler, SamplingParams
+from dflash_mlx.loop.decoder import DFlash2Proposer
+from dflash_mlx.loop.sampling import BlockSampler, SamplingParams
 
 BLOCK, GROUP = 8, 32
 

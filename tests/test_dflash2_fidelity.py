@@ -15,8 +15,8 @@ from mlx_lm import load as mlx_lm_load
 
 from checkpoints import write_dflash2_draft, write_draft
 from dflash_mlx import Target, load_draft
-from dflash_mlx.decoder import DFlash2Proposer, DraftProposer
-from dflash_mlx.sampling import BlockSampler, SamplingParams
+from dflash_mlx.loop.decoder import DFlash2Proposer, DraftProposer
+from dflash_mlx.loop.sampling import BlockSampler, SamplingParams
 
 BLOCK, CONTEXT, WINDOW = 4, 12, 6  # block row i sees the last WINDOW - 1 - i of 12 context rows
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -13,9 +13,9 @@ import pytest
 
 from checkpoints import write_dflash2_draft
 from dflash_mlx import Target, load_draft
-from dflash_mlx.decoder import DFlash2Proposer
+from dflash_mlx.loop.decoder import DFlash2Proposer
 from dflash_mlx.draft.selector import scatter
-from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.loop.sampling import SamplingParams
 from test_sampling import BLOCK, V, build_target, exact_joint, model, pvalues, sample  # noqa: F401 (model: the fixture)
 
 # the target's p warped by top-k too (q never is): drafts outside p's support are always rejected

@@ -1,6 +1,6 @@
 """The draft's dtype per chip (float32 where bfloat16 is emulated), its override,
 and the stop when a draft's logits are not finite (dflash_mlx/precision.py,
-decoder.py)."""
+loop/decoder.py)."""
 
 import json
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from test_sampling import model  # noqa: F401,F811 (the fixture: a tiny hybrid with 16 ids)
 
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.decoder import DraftProposer
+from dflash_mlx.loop.decoder import DraftProposer
 from dflash_mlx.draft.vocab import RANKING_FILE, SubsetHead, rank_tokens, read_ranking, subset_head, write_ranking
 from dflash_mlx.cli import app
 from dflash_mlx.errors import DFlashError

@@ -10,7 +10,7 @@ from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 from checkpoints import FAMILIES
 from dflash_mlx import DFlashError, Target, generate, load_draft
-from dflash_mlx.target.forward_check import TOLERANCE, forward_mismatch
+from dflash_mlx.targets.forward_check import TOLERANCE, forward_mismatch
 
 TOKENS = mx.array([5, 17, 40, 3, 99, 12, 7, 61])
 

@@ -18,8 +18,8 @@ from mlx_lm.models.gated_delta import gated_delta_ops, gated_delta_update
 
 from dflash_mlx import Target
 from dflash_mlx.bench.rollback_cost import graph_ops
-from dflash_mlx.target.gated_delta import restore
-from dflash_mlx.target.gated_delta_steps import CHECKPOINT_EVERY, steps
+from dflash_mlx.targets.gated_delta import restore
+from dflash_mlx.targets.gated_delta_steps import CHECKPOINT_EVERY, steps
 from dflash_mlx.kernels.gdn import make_inputs
 
 SHAPES = {  # (B, T, Hk, Hv, Dk, Dv)

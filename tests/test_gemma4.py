@@ -12,7 +12,7 @@ from mlx_lm import load as mlx_lm_load
 from test_loop import assert_same_or_near_tie, check_rollback_at_every_acceptance_length, greedy_reference
 
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.decoder import DraftProposer
+from dflash_mlx.loop.decoder import DraftProposer
 from dflash_mlx.registry import find_draft
 
 PROMPT = "the quick brown fox"

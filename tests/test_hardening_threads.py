@@ -14,7 +14,7 @@ from mlx_lm import load as mlx_lm_load
 from dflash_mlx import generate, kernels, load_draft
 from dflash_mlx.kernels import qmm
 from dflash_mlx.kernels.emulated import emulated_backend
-from dflash_mlx.target import verify_matmuls
+from dflash_mlx.targets import verify_matmuls
 
 PROMPT = "write a short story about a cat who lived in a lighthouse by the sea"
 RUNS = {  # name -> generate arguments: chains and trees, greedy and sampled

@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx import acceptance, kernels
+from dflash_mlx import kernels
+from dflash_mlx.loop import acceptance
 from dflash_mlx.draft import injection as draft_injection
 from dflash_mlx.emulate import EmulationError
 from dflash_mlx.kernels import kv_inject as kvi
 from dflash_mlx.kernels import verify_greedy as vg
 from dflash_mlx.kernels.emulated import emulated_backend, run_kernel
-from dflash_mlx.verify import greedy_verify
+from dflash_mlx.loop.verify import greedy_verify
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
 

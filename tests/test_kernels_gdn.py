@@ -30,8 +30,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache
 
 from dflash_mlx import Target, kernels
-from dflash_mlx.target import gated_delta as gd_adapter
-from dflash_mlx.decoder import SpeculativeDecoder
+from dflash_mlx.targets import gated_delta as gd_adapter
+from dflash_mlx.loop.decoder import SpeculativeDecoder
 from dflash_mlx.emulate import EmulationError, metal_kernel
 from dflash_mlx.kernels.emulated import emulated_backend, run_kernel
 from dflash_mlx.kernels import gdn

@@ -39,7 +39,7 @@ from test_tree_loop import BLOCK, assert_cache_close_to_fresh_feed, oracle_cycle
 
 from dflash_mlx import Target, kernels, load_draft
 from dflash_mlx.tree import gated_delta as tree_gated_delta
-from dflash_mlx.decoder import DraftProposer
+from dflash_mlx.loop.decoder import DraftProposer
 from dflash_mlx.emulate import EmulationError
 from dflash_mlx.kernels import gdn, gdn_tree
 from dflash_mlx.kernels.emulated import emulated_backend, main, run_kernel

@@ -33,7 +33,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx import kernels
-from dflash_mlx.target import verify_matmuls
+from dflash_mlx.targets import verify_matmuls
 from dflash_mlx.emulate import EmulationError, metal_kernel
 from dflash_mlx.kernels.emulated import emulated_backend, run_kernel
 from dflash_mlx.kernels import qmm

@@ -28,12 +28,13 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from dflash_mlx import acceptance, emulate, kernels
+from dflash_mlx import emulate, kernels
+from dflash_mlx.loop import acceptance
 from dflash_mlx.emulate import EmulationError
 from dflash_mlx.kernels.emulated import emulated_backend, run_kernel
 from dflash_mlx.kernels import verify_sampled as vs
 from dflash_mlx.kernels.registry import mismatch
-from dflash_mlx.verify import sampled_verify
+from dflash_mlx.loop.verify import sampled_verify
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation harness needs g++")
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import Target, generate, load_draft, stream_generate
 from dflash_mlx.cli import app
-from dflash_mlx.decoder import SpeculativeDecoder
+from dflash_mlx.loop.decoder import SpeculativeDecoder
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.kv_quantization import KVQuantization
 from dflash_mlx.server.engine import Engine

@@ -8,9 +8,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache
 
 from dflash_mlx import DFlashError, Target, load_draft
-from dflash_mlx.decoder import SpeculativeDecoder
-from dflash_mlx.target.gated_delta import GATED_DELTA
-from dflash_mlx.target.layer_kinds import Attention
+from dflash_mlx.loop.decoder import SpeculativeDecoder
+from dflash_mlx.targets.gated_delta import GATED_DELTA
+from dflash_mlx.targets.layer_kinds import Attention
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
-"""The package's shape: no import cycles, the emulation harness stands alone,
-modules stay small, and every document the project cites is in the repository."""
+"""The package's shape: no import cycles, one door per concept, the emulation
+harness stands alone, modules stay small, no package folder has a name that a
+common .gitignore ignores, and every document the project cites is in the
+repository."""
 
 import ast
 import re
@@ -115,7 +117,7 @@ def test_the_emulation_harness_imports_nothing_of_the_package():
 
 
 def test_the_acceptance_rules_import_nothing_of_the_package():
-    assert import_graph()[f"{PACKAGE}.acceptance"] == set()
+    assert import_graph()[f"{PACKAGE}.loop.acceptance"] == set()
 
 
 def test_kernels_know_no_models():
@@ -127,16 +129,26 @@ def test_kernels_know_no_models():
             assert "mlx.nn" not in source, name
             deps = import_graph()[name]
             allowed = {m for m in deps if m.startswith(f"{PACKAGE}.kernels")}
-            allowed |= {f"{PACKAGE}.emulate", f"{PACKAGE}.acceptance"}
+            allowed |= {f"{PACKAGE}.emulate", f"{PACKAGE}.loop.acceptance"}
             assert deps <= allowed, f"{name} imports {sorted(deps - allowed)}"
 
 
-@pytest.mark.parametrize("folder", ["draft", "target", "tree"])
+def door_modules(package: str) -> set[str]:
+    """The modules a subpackage's ``__init__`` names in ``__all__`` (the loop's
+    ``acceptance`` and ``cost_curve``): others may import them as modules."""
+    for node in ast.parse(modules()[package].read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return {f"{package}.{name}" for name in ast.literal_eval(node.value)} & set(modules())
+    return set()
+
+
+@pytest.mark.parametrize("folder", ["loop", "draft", "targets", "tree"])
 def test_each_concept_has_one_door(folder):
-    """Modules outside draft/, target/ and tree/ import only the subpackage
-    itself (what its ``__init__`` names), never one of its modules."""
+    """Modules outside loop/, draft/, targets/ and tree/ import only the
+    subpackage itself (what its ``__init__`` names), never one of its modules
+    but those the ``__init__`` names as modules."""
     package = f"{PACKAGE}.{folder}"
-    inside = {m for m in modules() if m.startswith(f"{package}.")}
+    inside = {m for m in modules() if m.startswith(f"{package}.")} - door_modules(package)
     assert inside, package
     reaching_in = [
         f"{name} imports {sorted(deps & inside)}"
@@ -174,3 +186,78 @@ def test_every_cited_document_is_in_the_repository():
             if not ((ROOT / cited).exists() or (path.parent / cited).exists()):
                 missing.append(f"{path.relative_to(ROOT)} cites {cited}")
     assert not missing, "\n".join(missing)
+
+
+# Folder names that GitHub's standard .gitignore templates ignore wherever they
+# occur (build output, downloaded dependencies, environments), with the
+# templates that ignore each. A package folder with one of these names is
+# silently left out of the commits of a contributor who uses the template.
+IGNORED_BY_TEMPLATES = {
+    "target": "Python (PyBuilder), Rust (Cargo) and Java (Maven)",
+    "build": "Python (distribution / packaging)",
+    "dist": "Python and Node",
+    "out": "Node (Next.js) and Java IDEs (IntelliJ)",
+    "bin": "Java IDEs (Eclipse)",
+    "debug": "Rust (Cargo)",
+    "lib": "Python (distribution / packaging)",
+    "lib64": "Python (distribution / packaging)",
+    "parts": "Python (distribution / packaging)",
+    "sdist": "Python (distribution / packaging)",
+    "var": "Python (distribution / packaging)",
+    "wheels": "Python (distribution / packaging)",
+    "eggs": "Python (distribution / packaging)",
+    "develop-eggs": "Python (distribution / packaging)",
+    "downloads": "Python (distribution / packaging)",
+    ".eggs": "Python (distribution / packaging)",
+    "env": "Python (distribution / packaging, and ENV/ for virtualenv)",
+    "venv": "Python (virtualenv)",
+    ".venv": "Python (virtualenv)",
+    "node_modules": "Node (dependency directories)",
+}
+
+
+def package_folders() -> list[Path]:
+    """Every folder of the package's sources that holds a module, and every
+    top-level folder of the repository that holds a tracked file."""
+    folders = {path.parent for folder in SOURCES for path in folder.rglob("*.py")}
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode == 0:
+        folders |= {ROOT / Path(f).parts[0] for f in out.stdout.splitlines() if len(Path(f).parts) > 1}
+    return sorted(folders)
+
+
+def ignored_folders(folders: list[Path]) -> list[str]:
+    """Folders (and folders above them, up to the repository) whose name a
+    template ignores; compared without case, as git does on macOS."""
+    found = []
+    for folder in folders:
+        for part in folder.relative_to(ROOT).parts:
+            if part.lower() in IGNORED_BY_TEMPLATES:
+                found.append(f"{folder.relative_to(ROOT)}: '{part}/' is ignored by GitHub's "
+                             f"{IGNORED_BY_TEMPLATES[part.lower()]} .gitignore template")
+                break
+    return found
+
+
+def test_no_package_folder_is_ignored_by_a_common_gitignore_template():
+    folders = package_folders()
+    assert ROOT / PACKAGE / "draft" in folders and ROOT / "convert" in folders and ROOT / "docs" in folders
+    ignored = ignored_folders(folders)
+    assert not ignored, "rename the folder:\n" + "\n".join(ignored)
+
+
+def test_the_template_check_sees_a_target_folder():
+    assert ignored_folders([ROOT / PACKAGE / "target", ROOT / PACKAGE / "targets", ROOT / "Build" / "x"]) == [
+        f"{PACKAGE}/target: 'target/' is ignored by GitHub's {IGNORED_BY_TEMPLATES['target']} .gitignore template",
+        f"Build/x: 'Build/' is ignored by GitHub's {IGNORED_BY_TEMPLATES['build']} .gitignore template",
+    ]
+
+
+def test_the_repository_ignores_none_of_its_tracked_files():
+    """The repository's own .gitignore files ignore nothing it tracks (a new
+    file beside a tracked one would be left out of commits)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--ignored", "--exclude-per-directory=.gitignore"],
+                         cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert not out.stdout.strip(), out.stdout

@@ -11,7 +11,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from test_loop import OracleProposer
 
 from dflash_mlx import Target, load_draft, stream_generate
-from dflash_mlx.decoder import SpeculativeDecoder
+from dflash_mlx.loop.decoder import SpeculativeDecoder
 
 PROMPT = "the quick brown fox"
 # a verify pass computes b positions at once (a DDTree or a GatedDeltaNet recurrence in another

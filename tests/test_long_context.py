@@ -11,9 +11,9 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.block_policy import PROBE_BUDGET, PROBE_EVERY, PROBE_SHARE, AdaptiveBlock, FixedBlock
-from dflash_mlx.cost_curve import CostCurve
-from dflash_mlx.decoder import ContextCache, DraftProposer, SpeculativeDecoder, prefill_chunks, proposer_for
+from dflash_mlx.loop.block_policy import PROBE_BUDGET, PROBE_EVERY, PROBE_SHARE, AdaptiveBlock, FixedBlock
+from dflash_mlx.loop.cost_curve import CostCurve
+from dflash_mlx.loop.decoder import ContextCache, DraftProposer, SpeculativeDecoder, prefill_chunks, proposer_for
 from test_loop import greedy_reference
 
 PROMPT = [3, 17, 5, 9, 22, 41, 7, 13, 2, 30, 11, 8, 19, 27, 4, 16, 6, 25, 14, 33]

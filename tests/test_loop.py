@@ -9,7 +9,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.decoder import DraftProposer, SpeculativeDecoder
+from dflash_mlx.loop.decoder import DraftProposer, SpeculativeDecoder
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss"]
 PROMPTS = [

@@ -14,7 +14,7 @@ import test_tree_sampling as tree
 from checkpoints import build_target
 
 from dflash_mlx import Target
-from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.loop.sampling import SamplingParams
 
 RUNS = 300
 PARAMS = {"gemma4": SamplingParams(temperature=1.0), "qwen3_next": SamplingParams(temperature=0.7, top_k=4)}

@@ -65,7 +65,7 @@ def exits(code: str) -> subprocess.CompletedProcess:
 
 LIBRARY = """
 import mlx.core as mx
-import dflash_mlx.decoder as decoder
+import dflash_mlx.loop.decoder as decoder
 from dflash_mlx import generate, load, load_draft
 from dflash_mlx.demo import demo_pair
 

@@ -1,6 +1,7 @@
 """The built wheel, installed into a fresh venv (not editable, outside the
-repository), ships what users run: the console script, the converter, the
-Metal kernel sources with the emulation header, and the bundled demo pair."""
+repository), ships what users run: every module, the console script, the
+converter, the Metal kernel sources with the emulation header, and the bundled
+demo pair."""
 
 import json
 import os
@@ -59,6 +60,20 @@ def test_the_wheel_is_what_the_venv_imports(wheel_venv, tmp_path):
     for path in out.stdout.split():
         assert Path(path).resolve().is_relative_to(env_dir.resolve()), path
         assert not Path(path).resolve().is_relative_to(REPO), path
+
+
+def test_the_wheel_ships_every_module_of_the_checkout(wheel_venv, tmp_path):
+    """Every subpackage (loop/, targets/, ...) is in pyproject's package list:
+    the installed package holds each module of dflash_mlx/ and convert/."""
+    _, python = wheel_venv
+    out = run([python, "-c", "import pathlib, dflash_mlx; root = pathlib.Path(dflash_mlx.__file__).parent;"
+               "print('\\n'.join(p.relative_to(root).as_posix() for p in root.rglob('*.py')))"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    shipped = set(out.stdout.split())
+    checkout = {p.relative_to(REPO / "dflash_mlx").as_posix() for p in (REPO / "dflash_mlx").rglob("*.py")}
+    checkout |= {f"convert/{p.relative_to(REPO / 'convert').as_posix()}" for p in (REPO / "convert").rglob("*.py")}
+    assert {"loop/__init__.py", "loop/decoder.py", "targets/__init__.py", "targets/adapter.py"} <= checkout
+    assert not checkout - shipped, sorted(checkout - shipped)
 
 
 def test_console_script_exposes_the_converter(wheel_venv, tmp_path):

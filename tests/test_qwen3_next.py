@@ -11,9 +11,9 @@ from test_loop import (
 )
 
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.decoder import DraftProposer
+from dflash_mlx.loop.decoder import DraftProposer
 from dflash_mlx.registry import find_draft
-from dflash_mlx.target import GatedDelta
+from dflash_mlx.targets import GatedDelta
 from dflash_mlx.tree import TreeDecoder
 
 PROMPT = "write a short story about a cat who"

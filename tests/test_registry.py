@@ -10,7 +10,7 @@ from dflash_mlx import DFlashError
 from dflash_mlx.cli import app
 from dflash_mlx.registry import (DISTRIBUTED_FAMILIES, KNOWN_PAIRS, UNSUPPORTED_PAIRS, find_draft, fitting,
                                  listing, memory_budget, resolve_pair, weights_gb)
-from dflash_mlx.target import SUPPORTED_MODEL_TYPES
+from dflash_mlx.targets import SUPPORTED_MODEL_TYPES
 
 
 def test_every_entry_runs_here_or_says_why_not():

@@ -16,9 +16,9 @@ from scipy.stats import chisquare, ttest_ind
 
 from checkpoints import build_target
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.decoder import SpeculativeDecoder
-from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
-from dflash_mlx.verify import sampled_verify
+from dflash_mlx.loop.decoder import SpeculativeDecoder
+from dflash_mlx.loop.sampling import BlockSampler, SamplingParams, warp
+from dflash_mlx.loop.verify import sampled_verify
 
 V = 16
 PROMPT = [3, 7, 1, 9, 4, 12]

@@ -18,8 +18,8 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, Target, generate, load_draft
 from dflash_mlx.chat import template_ids
-from dflash_mlx.decoder import SpeculativeDecoder
-from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
+from dflash_mlx.loop.decoder import SpeculativeDecoder
+from dflash_mlx.loop.sampling import BlockSampler, SamplingParams, warp
 from dflash_mlx.structured import Constraint, constraint_for, grammar
 from test_loop import one_hot_logits
 from test_tree_loop import run
@@ -192,7 +192,7 @@ def test_plain_steps_between_blocks_under_a_grammar(llama):
     drafted blocks of the real draft."""
     from test_block_policy import ScriptedPolicy
 
-    from dflash_mlx.decoder import proposer_for
+    from dflash_mlx.loop.decoder import proposer_for
 
     model, tokenizer, draft = llama
     ids = tokenizer.encode(PROMPT)

@@ -16,9 +16,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx import Target, load_draft
-from dflash_mlx.decoder import DraftProposer
+from dflash_mlx.loop.decoder import DraftProposer
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.sampling import BlockSampler, SamplingParams
+from dflash_mlx.loop.sampling import BlockSampler, SamplingParams
 from dflash_mlx.tree.attention import PositionedRope, compact, tree_mask
 from dflash_mlx.tree import TreeDecoder
 

@@ -13,7 +13,7 @@ import test_sampling as chain
 from test_sampling import model  # noqa: F401 (the fixture: a tiny hybrid with 16 ids, spread distributions)
 
 from dflash_mlx import Target
-from dflash_mlx.sampling import BlockSampler, SamplingParams, warp
+from dflash_mlx.loop.sampling import BlockSampler, SamplingParams, warp
 from dflash_mlx.tree import TreeDecoder
 
 BLOCK, BUDGET, RUNS = 4, 6, 800

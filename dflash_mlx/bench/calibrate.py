@@ -6,7 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..cost_curve import CostCurve, cache_key, cache_path, cost_curve
+from ..loop.cost_curve import CostCurve, cache_key, cache_path, cost_curve
 from ..precision import dtype_name
 from ..registry import resolve_pair
 from .render import console
@@ -52,7 +52,7 @@ def load_pair(pair, dtype: str, draft_dtype: str = "auto", launch=None):
 
 def main_calibrate(*, model: Optional[str], draft: Optional[str], dtype: str, draft_dtype: str = "auto",
                    out=None, err=None) -> CostCurve:
-    from ..target import Target
+    from ..targets import Target
 
     out = out or console()
     err = err or console(stderr=True)

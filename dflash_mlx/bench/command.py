@@ -8,14 +8,14 @@ from typing import Callable, Optional
 
 from .. import validate
 from ..chat import has_template, thinking_note
-from ..cost_curve import cost_curve
-from ..drift_watch import Watched
 from ..distributed import session, shared_cost_curve, talks
 from ..draft import DraftConfig, is_dflash2
 from ..errors import DFlashError
+from ..loop import Watched
+from ..loop.cost_curve import cost_curve
 from ..precision import choose_draft_dtype, dtype_name
 from ..registry import read_config, resolve_pair
-from ..target import Target
+from ..targets import Target
 from .calibrate import load_pair, main_calibrate
 from .cluster import MODES, find_link, main_predict_cluster
 from .cost_model import context_length

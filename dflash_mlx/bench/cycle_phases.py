@@ -21,10 +21,9 @@ import time
 
 import mlx.core as mx
 
-from ..decoder import DraftProposer, SpeculativeDecoder
 from ..draft import DFlashDraft
-from ..target import Target
-from ..sampling import BlockSampler, SamplingParams
+from ..loop import BlockSampler, DraftProposer, SamplingParams, SpeculativeDecoder
+from ..targets import Target
 from .rollback_cost import graph_ops
 from .synthetic import _autoregressive
 

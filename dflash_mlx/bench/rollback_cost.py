@@ -25,8 +25,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, gated_delta_update
 
-from ..target import CHECKPOINT_EVERY, steps
-from ..target import Target
+from ..targets import CHECKPOINT_EVERY, steps
+from ..targets import Target
 from .synthetic import PROMPT, RUNS, _autoregressive, hybrid_target
 
 REPEATS = 3

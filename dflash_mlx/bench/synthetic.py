@@ -23,8 +23,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..decoder import SpeculativeDecoder, prefill_chunks
-from ..target import Target
+from ..loop import SpeculativeDecoder, prefill_chunks
+from ..targets import Target
 from .render import console
 
 MODES = {"full": 1.0, "half": 0.5, "none": 0.0}  # share of each block's drafts that are right

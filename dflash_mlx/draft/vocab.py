@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from ..atomic import staged_file
 from ..errors import DFlashError
-from ..target import Target
+from ..targets import Target
 
 RANKING_FILE = "draft_vocab.safetensors"
 RANKING_KEY = "token_ids"

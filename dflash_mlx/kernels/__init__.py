@@ -3,14 +3,14 @@ under ``metal/`` (shipped in the wheel as ``dflash_mlx/metal``), a pure-MLX
 reference with the same semantics, and dispatch through the kernel policy
 (docs/architecture.md, "Kernels"). Kernels take and return arrays only.
 
-- ``verify_greedy``: greedy block verification, used by :mod:`dflash_mlx.verify`.
+- ``verify_greedy``: greedy block verification, used by :mod:`dflash_mlx.loop.verify`.
 - ``verify_sampled``: rejection-sampling block verification, likewise.
 - ``kv_inject``: every draft layer's k_norm + RoPE and K/V layout after one
   stacked projection, used by the draft's injection plan.
 - ``qmm_verify``: quantized matmul for the 1..32 rows of a verified block,
-  used by the target's verify pass (:mod:`dflash_mlx.target.verify_matmuls`).
+  used by the target's verify pass (:mod:`dflash_mlx.targets.verify_matmuls`).
 - ``gdn_verify``, ``gdn_replay``: GatedDeltaNet recurrence over a verified
-  block and its rollback by replay, used by :mod:`dflash_mlx.target.gated_delta`.
+  block and its rollback by replay, used by :mod:`dflash_mlx.targets.gated_delta`.
 - ``gdn_tree_verify``: the same recurrence over a DDTree, each node from its
   parent's state, used by :mod:`dflash_mlx.tree.gated_delta`.
 

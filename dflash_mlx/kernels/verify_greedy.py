@@ -7,7 +7,7 @@ length and the target's token after it::
     packed = (accepted << ACCEPT_SHIFT) | token
 
 The loop synchronises on ``packed`` only. The semantics are those of
-:func:`dflash_mlx.acceptance.greedy`; the rejection-sampling kernel uses the
+:func:`dflash_mlx.loop.acceptance.greedy`; the rejection-sampling kernel uses the
 same packed result.
 """
 
@@ -18,7 +18,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..acceptance import MAX_BLOCK, MAX_VOCAB, greedy, pack, unpack
+from ..loop.acceptance import MAX_BLOCK, MAX_VOCAB, greedy, pack, unpack
 from .registry import Kernel, Launch
 
 INIT = float(1 << 30)  # above any packed result: (63 << 24) | token < 2^30

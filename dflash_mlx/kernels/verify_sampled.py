@@ -1,6 +1,6 @@
 """Kernel: rejection-sampling block verification (``metal/verify_sampled.metal``).
 
-The lossless rule of :func:`dflash_mlx.acceptance.sampled` (docs/architecture.md,
+The lossless rule of :func:`dflash_mlx.loop.acceptance.sampled` (docs/architecture.md,
 "Sampling") in one launch: from the warped target log-probabilities ``[B, b, V]``, the warped
 draft log-probabilities ``[B, b-1, V]``, the drafted tokens ``[B, b-1]`` and
 ``b + 1`` uniforms per sequence drawn by MLX's RNG, it gives the accepted
@@ -12,7 +12,7 @@ length and the next token packed in one int32 per sequence, exactly as
 Why the inputs are *warped log-probabilities* and not raw logits plus the
 warping parameters: the warping is mlx-lm's own (``apply_top_p``,
 ``apply_min_p``, ``apply_top_k``, then the temperature; see
-:func:`dflash_mlx.sampling.warp`), so "the target's distribution" means exactly
+:func:`dflash_mlx.loop.sampling.warp`), so "the target's distribution" means exactly
 what it means in mlx-lm. Top-p needs a sort over the vocabulary, which a
 verification kernel would have to reimplement (and could only approximate
 bit for bit); and the draft's warped q is already computed once to sample the
@@ -23,7 +23,7 @@ Why the uniforms are inputs: the kernel then is a deterministic function of
 its inputs, MLX's RNG (and the seed) stays the only source of randomness, and
 kernel and reference can be compared exactly.
 
-Arithmetic (the kernel's and :func:`dflash_mlx.acceptance.sampled`'s, step for step):
+Arithmetic (the kernel's and :func:`dflash_mlx.loop.acceptance.sampled`'s, step for step):
 
 1. draft i is accepted iff ``0 <= d_i < V`` and ``u_i * q < p`` in float32,
    ``p = exp(target[s, i, d_i])``, ``q = exp(draft[s, i, d_i])``: probability
@@ -58,7 +58,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..acceptance import DRAW_BITS, FIX_ONE, MAX_BLOCK, MAX_VOCAB, pack, sampled, unpack
+from ..loop.acceptance import DRAW_BITS, FIX_ONE, MAX_BLOCK, MAX_VOCAB, pack, sampled, unpack
 from .registry import Kernel, Launch
 from .verify_greedy import threadgroup_width
 

@@ -30,8 +30,8 @@ from starlette.exceptions import HTTPException
 
 from .. import structured, validate
 from ..errors import DFlashError
+from ..loop import SamplingParams
 from ..precision import dtype_name
-from ..sampling import SamplingParams
 from . import anthropic
 from . import engine as eng
 from .errors import APIError

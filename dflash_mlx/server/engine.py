@@ -21,7 +21,7 @@ from ..chat import encode
 from ..errors import DFlashError
 from ..generate import check_pair, stream_generate
 from ..loading import load, load_draft
-from ..target import Target
+from ..targets import Target
 from .logprobs import Picked, picked
 from .prefix_cache import PrefixCache
 from .stops import StopMatcher

@@ -37,11 +37,11 @@ from typing import Optional
 
 from mlx_lm.models.cache import ArraysCache
 
-from ..decoder import ContextCache
 from ..draft import DFlashDraft
 from ..generate import stream_generate
 from ..kv_quantization import DEFAULT_QUANTIZED_KV_START
-from ..target import Target
+from ..loop import ContextCache
+from ..targets import Target
 
 MAX_ENTRIES = 8
 

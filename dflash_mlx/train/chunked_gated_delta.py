@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.gated_delta import compute_g
 
-from ..target import split_qkv
+from ..targets import split_qkv
 
 # Gates below this count as this (log -69): the state is then wiped to within
 # float32 precision anyway. The forward would survive log(0) = -inf (no two

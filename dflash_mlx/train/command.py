@@ -18,7 +18,7 @@ import mlx.core as mx
 from .. import validate
 from ..atomic import check_output, write_text
 from ..errors import DFlashError
-from ..target import Target
+from ..targets import Target
 from .config import ARCHS, DraftTrainConfig, draft_config_for, mask_token_id
 from .data import prepare_data
 from .dflash2 import initial_draft

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..draft import FULL, SLIDING, DFlash2Config, DraftConfig, default_target_layer_ids
 from ..errors import DFlashError
-from ..target import Target
+from ..targets import Target
 
 
 ARCHS = ("dflash", "dflash2")

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..atomic import staged_file
 from ..errors import DFlashError
-from ..target import Target
+from ..targets import Target
 from .config import DraftTrainConfig
 from .progress import log
 from .records import Record, prompt_ids, read_records, record_ids

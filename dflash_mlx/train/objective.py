@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..draft import DFlash2Draft, DFlashDraft, DraftConfig, visible
-from ..target import Target
+from ..targets import Target
 from .config import DraftTrainConfig
 from .data import SequenceData
 from .dflash2 import selector_loss

@@ -1,6 +1,6 @@
 """The DDTree cycle: draft a tree, verify it in one target pass, walk, commit.
 
-Beside the chain (``decoder.SpeculativeDecoder``, whose prefill and bookkeeping
+Beside the chain (``loop.SpeculativeDecoder``, whose prefill and bookkeeping
 it reuses): the proposer's b-1 per-position distributions (a DFlash2
 proposer's selector transitions, ``tree_candidates``) become a tree of up
 to ``budget`` nodes (``build.py``); the root y and the nodes run through the
@@ -28,11 +28,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..decoder import NON_FINITE, Cycle, Proposer, SpeculativeDecoder, sound_logits
 from ..errors import DFlashError
 from ..kv_quantization import KVQuantization
-from ..sampling import BlockSampler
-from ..target import Attention, Forward, GatedDelta, Target
+from ..loop import NON_FINITE, BlockSampler, Cycle, Proposer, SpeculativeDecoder, sound_logits
+from ..targets import Attention, Forward, GatedDelta, Target
 from . import gated_delta
 from .attention import check_rope, compact, positioned, tree_mask
 from .build import Tree, build_transition_tree, build_tree, top_candidates, walk

@@ -29,7 +29,7 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 from ..kernels import gdn as gdn_kernels
 from ..kernels.gdn_tree import KERNEL as TREE_KERNEL
 from ..kernels.gdn_tree import TreeIndex
-from ..target import project, split_qkv, sum_heads
+from ..targets import project, split_qkv, sum_heads
 from .build import Tree
 
 

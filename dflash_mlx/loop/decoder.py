@@ -15,11 +15,11 @@ from typing import Optional, Protocol, Union
 import mlx.core as mx
 
 from .block_policy import BlockPolicy, FixedBlock
-from .draft import DFlash2Draft, DFlashDraft, SubsetHead
-from .errors import DFlashError
-from .kv_quantization import KVQuantization
+from ..draft import DFlash2Draft, DFlashDraft, SubsetHead
+from ..errors import DFlashError
+from ..kv_quantization import KVQuantization
 from .sampling import BlockSampler, SamplingParams
-from .target import Target
+from ..targets import Target
 
 
 class Proposer(Protocol):

@@ -44,9 +44,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .decoder import SpeculativeDecoder, propose_block, proposer_for
-from .draft import DFlashDraft
+from ..draft import DFlashDraft
 from .sampling import BlockSampler, SamplingParams
-from .target import Target
+from ..targets import Target
 from .verify import greedy_verify
 
 SCHEMA = "dflash-mlx-cost-curve"

@@ -3,17 +3,17 @@ token it emits after them. One small result per cycle for the host.
 
 Each rule runs in its Metal kernel where the kernel is active (one launch, one
 packed int per sequence) and in its pure-MLX semantics from
-:mod:`dflash_mlx.acceptance` everywhere else.
+:mod:`dflash_mlx.loop.acceptance` everywhere else.
 """
 
 import mlx.core as mx
 
 from . import acceptance
-from .kernels import verify_greedy, verify_sampled
+from ..kernels import verify_greedy, verify_sampled
 
 
 def greedy_verify(logits: mx.array, drafted: mx.array) -> tuple[mx.array, mx.array]:
-    """Greedy acceptance of a block (:func:`dflash_mlx.acceptance.greedy`).
+    """Greedy acceptance of a block (:func:`dflash_mlx.loop.acceptance.greedy`).
 
     logits: [B, b, V] target logits; drafted: [B, b-1] int32 drafted tokens.
     Returns (accepted [B] int32, next_token [B] int32).
@@ -27,7 +27,7 @@ def greedy_verify(logits: mx.array, drafted: mx.array) -> tuple[mx.array, mx.arr
 def sampled_verify(
     target_logprobs: mx.array, draft_logprobs: mx.array, drafted: mx.array, key: mx.array
 ) -> tuple[mx.array, mx.array]:
-    """Lossless rejection sampling of a block (:func:`dflash_mlx.acceptance.sampled`).
+    """Lossless rejection sampling of a block (:func:`dflash_mlx.loop.acceptance.sampled`).
 
     target_logprobs: [B, b, V] warped target log-probabilities p_0..p_{b-1}.
     draft_logprobs: [B, b-1, V] warped draft log-probabilities q_1..q_{b-1}.

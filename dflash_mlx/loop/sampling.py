@@ -13,8 +13,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from . import validate
-from .structured import Constraint
+from .. import validate
+from ..structured import Constraint
 from .verify import greedy_verify, sampled_verify
 
 
