@@ -100,10 +100,26 @@ def check_pair(target: Target, draft: DFlashDraft) -> None:
         )
 
 
-def _encode(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array:
+def encode_prompt(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.array:
+    """A prompt (text, encoded as is, or ids) as checked ids."""
     if isinstance(prompt, str):
         prompt = encode(tokenizer, validate.text(prompt))
     return mx.array(validate.token_ids(prompt, vocab_size))
+
+
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "repetition_context_size",
+            "presence_penalty", "frequency_penalty", "logit_bias")  # one request's sampling arguments
+
+
+def request_sampler(tokenizer, vocab_size: int, response_format: Optional[dict] = None, **sampling) -> BlockSampler:
+    """One request's sampler: its ``SAMPLING`` arguments, checked (one-line
+    DFlashError), and its ``response_format``'s grammar."""
+    unknown = set(sampling) - set(SAMPLING)
+    if unknown:
+        raise DFlashError(f"unknown sampling arguments {sorted(unknown)}; they are {', '.join(SAMPLING)}")
+    validate.logit_bias(sampling.get("logit_bias"), vocab_size)
+    constraint = structured.constraint_for(response_format, tokenizer, vocab_size)
+    return BlockSampler(SamplingParams(**sampling), constraint)
 
 
 @contextlib.contextmanager
@@ -190,7 +206,6 @@ def stream_generate(
     check_pair(target, draft)
     trained = draft.config.block_size
     block_size = trained if block_size is None else validate.block_size(block_size, trained)
-    validate.logit_bias(logit_bias, target.vocab_size)
     tree_budget = validate.tree_budget(tree_budget, getattr(target.args, "max_position_embeddings", None))
     kv = None
     if kv_bits is not None:
@@ -199,20 +214,14 @@ def stream_generate(
     head = None
     if draft_vocab is not None:
         head = subset_head(target, draft.vocab_ranking, draft_vocab)  # an integer >= 1: checked above
-    constraint = structured.constraint_for(response_format, tokenizer, target.vocab_size)
-    sampler = BlockSampler(
-        SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-            repetition_penalty=repetition_penalty,
-            repetition_context_size=repetition_context_size,
-            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-        ),
-        constraint,
+    sampler = request_sampler(
+        tokenizer, target.vocab_size, response_format, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=min_p, seed=seed, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
     )
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    prompt_ids = _encode(tokenizer, prompt, target.vocab_size)
+    prompt_ids = encode_prompt(tokenizer, prompt, target.vocab_size)
     validate.prompt_length(prompt_ids.size, getattr(target.args, "max_position_embeddings", None))
     check_forward(target, prompt_ids)
     kept = context is not None  # the caller keeps the caches: the draft's must end holding every fed token

@@ -4,12 +4,13 @@ conv-wrapped network (``dflash2.py``) and its candidate selector
 injection (``injection.py``) and the reduced drafting vocabulary
 (``vocab.py``). Modules outside this folder use what is named here."""
 
+from .cache import DraftContextCache
 from .dflash2 import DFlash2Config, DFlash2Draft, draft_classes, is_dflash2, network_class
 from .model import FULL, SLIDING, DFlashDraft, DraftConfig, default_target_layer_ids, visible
 from .vocab import RANKING_FILE, SubsetHead, rank_corpus, rank_tokens, read_ranking, subset_head, write_ranking
 
 __all__ = [
-    "FULL", "SLIDING", "DFlashDraft", "DraftConfig", "default_target_layer_ids", "visible",
+    "DraftContextCache", "FULL", "SLIDING", "DFlashDraft", "DraftConfig", "default_target_layer_ids", "visible",
     "DFlash2Config", "DFlash2Draft", "draft_classes", "is_dflash2", "network_class",
     "RANKING_FILE", "SubsetHead", "rank_corpus", "rank_tokens", "read_ranking", "subset_head", "write_ranking",
 ]

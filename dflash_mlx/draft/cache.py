@@ -34,6 +34,16 @@ class DraftContextCache:
     def held(self) -> int:
         return self.offset - self.start
 
+    @classmethod
+    def from_row(cls, keys: Optional[mx.array], values: Optional[mx.array], start: int, keep: Optional[int]) -> "DraftContextCache":
+        """A cache holding ``keys``/``values`` [1, heads, n, head_dim] of positions start..start+n-1."""
+        cache = cls(keep)
+        held = 0 if keys is None else keys.shape[2]
+        if held:
+            cache.keys, cache.values = keys, values
+        cache.start, cache.offset = start, start + held
+        return cache
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append positions offset..offset+T-1; return every held position's K and V."""
         T = keys.shape[2]

@@ -240,6 +240,8 @@ class DraftAttention(nn.Module):
         return k, v
 
     def __call__(self, x: mx.array, cache: DraftContextCache) -> mx.array:
+        if hasattr(cache, "visible"):
+            return self.rows(x, cache)
         B, L, _ = x.shape
         offset = cache.offset
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
@@ -249,6 +251,19 @@ class DraftAttention(nn.Module):
         start = self.first_visible(offset)
         keys, values = keys[..., start - cache.start :, :], values[..., start - cache.start :, :]
         mask = self.mask(offset, L, start)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def rows(self, x: mx.array, cache) -> mx.array:
+        """A block per row of a batch whose context rows have their own lengths
+        (``targets/rows.py``): each row's positions and mask are its own."""
+        B, L, _ = x.shape
+        offset = cache.offset  # [B]
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        mask = cache.visible(L, self.sliding_window, self.causal)
+        keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
+        cache.trim(L)  # the block is attended to, never kept
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -310,6 +325,10 @@ class DFlashDraft(nn.Module):
         RoPE the kernel does not implement (reported once, with the reason).
         """
         ctx = self.hidden_norm(self.fc(features))
+        if hasattr(cache[0], "visible"):  # a batch's rows, each at its own offset
+            for layer, c in zip(self.layers, cache):
+                c.update_and_fetch(*layer.self_attn.keys_values(ctx, c.offset))
+            return
         plan = self._injection()
         if plan.reason is not None or len({c.offset for c in cache}) > 1:
             for layer, c in zip(self.layers, cache):

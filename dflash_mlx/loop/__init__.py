@@ -1,6 +1,7 @@
 """The decoding loop: the speculative decoder and its proposers
 (``decoder.py``), the block sampler (``sampling.py``), block verification
 (``verify.py``) over the acceptance rules in plain MLX (``acceptance.py``),
+several requests at once (``batch.py``, its block size in ``batch_policy.py``),
 and each cycle's block size (``block_policy.py``) from the pair's measured
 cost curve (``cost_curve.py``) and the watch on its drift (``drift_watch.py``).
 Modules outside this folder use what is named here; ``acceptance`` (the rules
@@ -12,6 +13,8 @@ which ``decoder.py`` needs, so the package imports this folder before ``draft/``
 
 from . import acceptance
 from . import cost_curve
+from .batch import BatchDecoder, DraftRows, Row, RowCycle
+from .batch_policy import BatchBlock, FixedRows, batch_policy
 from .block_policy import AdaptiveBlock, BlockPolicy, FixedBlock
 from .decoder import (NON_FINITE, ContextCache, Cycle, DFlash2Proposer, DraftProposer, Proposer, SpeculativeDecoder,
                       prefill_chunks, proposer_for, sound_logits)
@@ -19,7 +22,8 @@ from .drift_watch import DriftWatch, Watched
 from .sampling import BlockSampler, SamplingParams
 
 __all__ = [
-    "acceptance", "cost_curve", "AdaptiveBlock", "BlockPolicy", "FixedBlock",
+    "acceptance", "cost_curve", "BatchDecoder", "DraftRows", "Row", "RowCycle", "BatchBlock", "FixedRows",
+    "batch_policy", "AdaptiveBlock", "BlockPolicy", "FixedBlock",
     "NON_FINITE", "ContextCache", "Cycle", "DFlash2Proposer", "DraftProposer", "Proposer", "SpeculativeDecoder",
     "prefill_chunks", "proposer_for", "sound_logits", "DriftWatch", "Watched", "BlockSampler", "SamplingParams",
 ]

@@ -150,6 +150,10 @@ class AdaptiveBlock:
         self.probed_before = False  # whether a probe has been judged in this generation
         self._prices: tuple = (None, [])  # (what they were read for, seconds at b = 1 .. max_block)
 
+    def reprice(self) -> None:
+        """Read the prices from the costs again (they changed: a batch's width)."""
+        self._prices = (None, [])
+
     def cycle_seconds(self, b: int) -> float:
         """The curve's price of a cycle at b at the current context (rounded
         down to a multiple of ``PRICE_STEP``), scaled by the drift the watch

@@ -183,25 +183,26 @@ def cache_dir(override: Optional[os.PathLike] = None) -> Path:
     return Path(base) / "dflash-mlx"
 
 
-def cache_path(key: dict, directory: Optional[os.PathLike] = None) -> Path:
-    return cache_dir(directory) / "cost-curves" / f"{_digest(key)[:24]}.json"
+def cache_path(key: dict, directory: Optional[os.PathLike] = None, folder: str = "cost-curves") -> Path:
+    return cache_dir(directory) / folder / f"{_digest(key)[:24]}.json"
 
 
-def read_cached(path: Path, key: dict) -> Optional[CostCurve]:
-    """The curve stored at ``path`` for exactly ``key``, or None (missing,
-    corrupt, another key, another schema, an invalid curve)."""
+def read_cached(path: Path, key: dict, kind=CostCurve):
+    """The curve (a ``kind``, by its ``from_dict``) stored at ``path`` for
+    exactly ``key``, or None (missing, corrupt, another key, another schema,
+    an invalid curve)."""
     try:
         entry = json.loads(path.read_text())
         if entry.get("schema") != SCHEMA or entry.get("schema_version") != SCHEMA_VERSION:
             return None
         if entry.get("key") != json.loads(json.dumps(key)):
             return None
-        return CostCurve.from_dict(entry["curve"])
+        return kind.from_dict(entry["curve"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def write_cached(path: Path, key: dict, curve: CostCurve) -> bool:
+def write_cached(path: Path, key: dict, curve) -> bool:
     """Write atomically (a temporary file renamed over it); False if it cannot be written."""
     entry = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "key": key, "curve": curve.to_dict(),
              "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -84,9 +84,13 @@ class DraftProposer:
 
     def block_hidden(self, y: mx.array, block_size: int) -> mx.array:
         """The draft's normed hidden states [b-1, H] of block rows 1..b-1 after y."""
-        masks = mx.full((block_size - 1,), self.mask_token_id, dtype=y.dtype)
-        block = mx.concatenate([y, masks])[None]
-        return self.draft(self.embed(block), self.cache)[0, 1:]
+        return self.block_hidden_rows(y, block_size)[0]
+
+    def block_hidden_rows(self, ys: mx.array, block_size: int) -> mx.array:
+        """[B, b-1, H]: ``block_hidden`` of each row of a batch, after ys [B]."""
+        masks = mx.full((ys.size, block_size - 1), self.mask_token_id, dtype=ys.dtype)
+        block = mx.concatenate([ys[:, None], masks], axis=1)
+        return self.draft(self.embed(block), self.cache)[:, 1:]
 
 
 class DFlash2Proposer(DraftProposer):

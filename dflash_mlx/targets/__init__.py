@@ -2,16 +2,18 @@
 exact rollback per layer kind (``layer_kinds.py``; GatedDeltaNet in
 ``gated_delta.py`` and ``gated_delta_steps.py``), Gemma 4's pass
 (``gemma4.py``), the quantized verify matmuls (``verify_matmuls.py``) and the
-load-time forward check (``forward_check.py``). Modules outside this folder use what is named here."""
+load-time forward check (``forward_check.py``), and the caches of a batch
+whose rows have lengths of their own (``rows.py``). Modules outside this folder use what is named here."""
 
 from .adapter import SUPPORTED_MODEL_TYPES, Forward, Target
 from .forward_check import check_forward
 from .gated_delta import GatedDelta, project, split_qkv, sum_heads
 from .gated_delta_steps import CHECKPOINT_EVERY, steps
 from .layer_kinds import Attention
+from .rows import RowKVCache
 from .sharded import PipelineTarget, TensorParallelTarget, sharded_target
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "Forward", "Target", "check_forward", "GatedDelta", "project", "split_qkv", "sum_heads",
-    "CHECKPOINT_EVERY", "steps", "Attention", "PipelineTarget", "TensorParallelTarget", "sharded_target",
+    "CHECKPOINT_EVERY", "steps", "Attention", "RowKVCache", "PipelineTarget", "TensorParallelTarget", "sharded_target",
 ]

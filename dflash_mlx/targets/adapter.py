@@ -176,6 +176,13 @@ class Target:
         the model caps them), for verification and for the draft."""
         return self.stack.finish_logits(self.head_logits(hidden))
 
+    def rollback_rows(self, cache: list, forward: Forward, keeps: list[int]) -> None:
+        """Per row r of a batch's caches (``rows.py``), keep the first
+        ``keeps[r]`` tokens of the recorded block."""
+        block = forward.hidden.shape[1]
+        for kind, c, rec in zip(self.kinds, cache, forward.records):
+            kind.rollback_rows(c, rec, keeps, block)
+
     def rollback(self, cache: list, forward: Forward, keep: int) -> None:
         """Leave ``cache`` exactly as if only the first ``keep`` tokens of the
         recorded block had been fed."""

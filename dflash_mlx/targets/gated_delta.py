@@ -52,6 +52,15 @@ class GatedDeltaRecord:
     states: Optional[list] = None  # states after every, 2*every, ... steps (gated_delta_steps path only)
     every: int = 0  # steps between those states
 
+    def row(self, r: int) -> "GatedDeltaRecord":
+        """Row r of a batch's record, as a record of its own."""
+        one = lambda a: None if a is None else a[r : r + 1]
+        return GatedDeltaRecord(
+            one(self.conv_input), one(self.q), one(self.k), one(self.v), one(self.a), one(self.b),
+            one(self.state), self.layer, one(self.g), one(self.beta),
+            None if self.states is None else [one(s) for s in self.states], self.every,
+        )
+
 
 def split_qkv(gdn: nn.Module, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """q, k, v [B, S, heads, dim] from the conv output, q and k normalized, as
@@ -165,6 +174,22 @@ def restore(cache: ArraysCache, record: GatedDeltaRecord, keep: int) -> None:
         cache[1] = states[-1]
 
 
+def restore_rows(cache: ArraysCache, record: GatedDeltaRecord, keeps: list[int]) -> None:
+    """Set each row r of a batch's ``cache`` to its state after its first
+    ``keeps[r]`` recorded steps: row by row, each as ``restore`` sets a
+    request's own cache, so a row's state is the one it would have alone."""
+    if len(set(keeps)) == 1:
+        restore(cache, record, keeps[0])
+        return
+    rows = []
+    for r, keep in enumerate(keeps):
+        row = ArraysCache(2)
+        restore(row, record.row(r), keep)
+        rows.append(row)
+    cache[0] = mx.concatenate([row[0] for row in rows])
+    cache[1] = mx.concatenate([row[1] for row in rows])
+
+
 class GatedDelta:
     """Layer kind of mlx-lm's qwen3_5 and qwen3_next GatedDeltaNet layers (``layer.is_linear``),
     whose cache is an ``ArraysCache`` of conv and recurrent state."""
@@ -190,6 +215,12 @@ class GatedDelta:
 
     def rollback(self, cache: ArraysCache, record: GatedDeltaRecord, keep: int, block: int) -> None:
         restore(cache, record, keep)
+
+    def row_cache(self, cache: ArraysCache) -> ArraysCache:
+        return cache  # mlx-lm's ArraysCache is a batch of its rows already
+
+    def rollback_rows(self, cache: ArraysCache, record: GatedDeltaRecord, keeps: list[int], block: int) -> None:
+        restore_rows(cache, record, keeps)
 
 
 GATED_DELTA = GatedDelta()

@@ -24,6 +24,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from . import gated_delta
+from .rows import RowKVCache
 from ..errors import DFlashError
 
 
@@ -41,6 +42,13 @@ class LayerKind(Protocol):
 
     def rollback(self, cache: Any, record: Any, keep: int, block: int) -> None:
         """Leave ``cache`` as if only the first ``keep`` of ``block`` tokens had been fed."""
+
+    def row_cache(self, cache: Any) -> Any:
+        """A request's cache as a one-row cache of a batch (``rows.py``), which
+        ``extend``, ``filter`` and ``extract`` like mlx-lm's batch caches."""
+
+    def rollback_rows(self, cache: Any, record: Any, keeps: list[int], block: int) -> None:
+        """Per row r of a batch's cache, keep the first ``keeps[r]`` of ``block`` tokens."""
 
 
 RECURRENT_KINDS: tuple = (gated_delta.GATED_DELTA,)
@@ -81,6 +89,15 @@ class Attention:
     def rollback(self, cache: Any, record: Any, keep: int, block: int) -> None:
         _check_trimmable(cache)
         cache.trim(block - keep)
+
+    def row_cache(self, cache: KVCache) -> RowKVCache:
+        if cache.keys is None:
+            return RowKVCache(lengths=[0])
+        n = cache.offset
+        return RowKVCache(cache.keys[..., :n, :], cache.values[..., :n, :], lengths=[n])
+
+    def rollback_rows(self, cache: RowKVCache, record: Any, keeps: list[int], block: int) -> None:
+        cache.trim_rows([block - keep for keep in keeps])
 
 
 def layer_kinds(inner: nn.Module, layers: list) -> list[LayerKind]:

@@ -1,0 +1,271 @@
+"""Several requests at once: verify-and-commit cycles over the rows of a batch.
+
+Each row is one request with its own sampler (temperature, top-p/k, seed,
+logits processors, grammar), its own tokens and its own limit. A cycle drafts
+one block for every row in one draft pass, verifies all rows' blocks in one
+target pass over [B, b], and each row keeps its own accepted prefix plus the
+target's own next token; the caches roll back per row (``targets/rows.py``:
+per-row K/V lengths and masks, per-row recurrent states). b is one size for
+the whole batch, chosen per cycle by the batch's policy; b = 1 is a plain
+batched target step.
+
+Rows join between cycles (``add``: the request is prefilled alone, exactly as
+``SpeculativeDecoder.prefill`` does, and its caches become a new row) and
+leave between cycles (``remove``: its caches come back as a ``ContextCache``
+holding every token it fed, for the prefix cache). A row's caches after any
+sequence of cycles hold what the same request decoded alone would hold.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+
+from ..draft import DFlash2Draft, DFlashDraft, DraftContextCache, SubsetHead
+from ..targets import RowKVCache, Target
+from .batch_policy import FixedRows
+from .decoder import NON_FINITE, ContextCache, Proposer, SpeculativeDecoder, proposer_for, sound_logits
+from .sampling import BlockSampler
+
+
+@dataclass
+class Row:
+    """One request of the batch."""
+
+    sampler: BlockSampler
+    tokens: list[int]  # ids the row's caches hold
+    pending: int  # y: the row's next token, chosen and not yet fed
+    max_tokens: Optional[int] = None  # tokens the caller takes; None: no limit
+    recent: list[int] = field(default_factory=list)  # committed tokens the logits processors may see
+    emitted: int = 1  # tokens handed out: the prefill's, then each cycle's
+    keep_logprobs: bool = False
+    logprobs: Optional[mx.array] = None  # [n, V] at the last cycle's n tokens (keep_logprobs)
+    tag: Any = None  # the caller's
+
+    def tokens_left(self) -> Optional[int]:
+        return None if self.max_tokens is None else self.max_tokens - self.emitted
+
+    def remember(self, tokens: list[int]) -> None:
+        keep = self.sampler.params.context_size
+        self.recent = (self.recent + tokens)[-keep:] if keep else []
+
+    def history(self, block: mx.array) -> mx.array:
+        return mx.concatenate([mx.array(self.recent, dtype=mx.int32), block])
+
+
+@dataclass
+class RowCycle:
+    """What one cycle committed for one row."""
+
+    row: Row
+    tokens: list[int]  # accepted drafts, then the target's own token
+    accepted: int
+    error: Optional[str] = None  # set: the row cannot go on (its draft's logits were not finite)
+
+
+class DraftRows:
+    """Drafts every row's block in one pass of the DFlash draft over per-row
+    context caches (``targets/rows.py``'s ``RowKVCache``, each row at its own
+    position), with the target's embedding and head as a request alone has them."""
+
+    def __init__(self, draft: DFlashDraft, target: Target, head: Optional[SubsetHead] = None):
+        self.draft, self.target, self.head = draft, target, head
+        self.proposer = proposer_for(draft, target, [], head)  # its cache: one RowKVCache per draft layer
+
+    def solo(self, cache: list) -> Proposer:
+        """The proposer a request's prefill injects its prompt through."""
+        return proposer_for(self.draft, self.target, cache, self.head)
+
+    def join(self, cache: list[DraftContextCache]) -> None:
+        """Append a request's draft context caches as a new row."""
+        rows = [RowKVCache(*c.state, lengths=[c.held], starts=[c.start]) if c.held
+                else RowKVCache(lengths=[0], starts=[c.offset]) for c in cache]
+        if not self.proposer.cache:
+            self.proposer.cache = rows
+        else:
+            for mine, theirs in zip(self.proposer.cache, rows):
+                mine.extend(theirs)
+
+    def leave(self, r: int, kept: list[int]) -> list[DraftContextCache]:
+        """Row r's caches as a request's own; the batch keeps rows ``kept``."""
+        fresh = self.draft.make_cache()
+        out = [DraftContextCache.from_row(*c.row(r), keep=f.keep) for c, f in zip(self.proposer.cache, fresh)]
+        for c in self.proposer.cache:
+            c.filter(mx.array(kept, dtype=mx.int32))
+        if not kept:
+            self.proposer.cache = []
+        return out
+
+    def observe(self, features: mx.array, counts: list[int]) -> None:
+        """Inject features [B, T, k*H], of which row r keeps its first ``counts[r]``."""
+        self.draft.inject(features, self.proposer.cache)
+        T = features.shape[1]
+        for c in self.proposer.cache:
+            c.trim_rows([T - n for n in counts])
+
+    def propose(self, ys: mx.array, block_size: int, rows: list) -> list[tuple]:
+        """Every row's (drafted [b-1], q or None, finite) after ys [B]."""
+        proposer = self.proposer
+        hidden = proposer.block_hidden_rows(ys, block_size)  # [B, b-1, H]
+        logits = self.draft.scale_logits(proposer.head(hidden))
+        walk = isinstance(self.draft, DFlash2Draft)
+        drafts = []
+        for i, row in enumerate(rows):
+            if walk:  # DFlash2: the candidate selector's walk, as DFlash2Proposer.draft_block
+                key = row.sampler.draft_key()
+                temperature = 0.0 if key is None else row.sampler.params.temperature
+                drafted, q = self.draft.candidate_selector.walk(hidden[i], logits[i], ys[i : i + 1], temperature, key)
+            else:
+                drafted, q = row.sampler.draft(logits[i])
+            drafts.append((drafted, q, sound_logits(logits[i])))
+        return drafts
+
+
+class BatchDecoder:
+    """Rows joining, cycling and leaving over one set of batched caches.
+
+    ``block_size`` is a fixed block or a policy (``batch_policy.py``) asked
+    for the batch's b before each cycle and told every row's outcome.
+    ``drafter`` proposes the rows' blocks (default ``DraftRows``: the draft)."""
+
+    def __init__(self, target: Target, draft: Optional[DFlashDraft], block_size: Union[int, Any],
+                 prefill_step_size: int = 2048, head: Optional[SubsetHead] = None, drafter: Any = None):
+        self.target = target
+        self.layer_ids = draft.config.target_layer_ids if draft is not None else [0]
+        self.drafter = drafter or DraftRows(draft, target, head)
+        self.make_draft_cache = draft.make_cache if draft is not None else list
+        self.policy = FixedRows(block_size) if isinstance(block_size, int) else block_size
+        self.prefill_step_size = prefill_step_size
+        self.rows: list[Row] = []
+        self.cache: list = []  # the target's, one row per request
+        self.unobserved: list[mx.array] = []  # plain steps' features [B, 1, k*H], not yet injected
+        self.block_size = 1  # the last cycle's
+
+    # --- rows joining and leaving -------------------------------------------------
+
+    def add(self, prompt: mx.array, sampler: BlockSampler, max_tokens: Optional[int] = None,
+            context: Optional[ContextCache] = None, logprobs: bool = False, tag: Any = None) -> tuple[Row, int]:
+        """Prefill a request alone (past what ``context`` holds) and make it a
+        row; returns the row and its first token."""
+        if context is None:
+            context = ContextCache(self.target.make_cache(), self.make_draft_cache())
+        solo = SpeculativeDecoder(self.target, self.drafter.solo(context.draft), self.layer_ids, 1,
+                                  self.prefill_step_size, sampler, context.target, context.tokens)
+        solo.max_tokens = 1  # nothing queued after the first token: the batch takes over
+        solo.keep_logprobs = logprobs
+        first = solo.prefill(prompt)
+        row = Row(sampler, context.tokens, first, max_tokens, solo.recent, 1, logprobs, solo.logprobs, tag)
+        self.catch_up()  # the rows' plain steps are injected before a new row joins
+        rows = [kind.row_cache(c) for kind, c in zip(self.target.kinds, context.target)]
+        if not self.rows:
+            self.cache = rows
+        else:
+            for mine, theirs in zip(self.cache, rows):
+                mine.extend(theirs)
+        self.drafter.join(context.draft)
+        self.rows.append(row)
+        return row, first
+
+    def remove(self, row: Row) -> ContextCache:
+        """Take ``row`` out of the batch; its caches come back, holding every
+        token it fed (``row.tokens``)."""
+        r = self.rows.index(row)
+        self.catch_up()
+        target = [c.extract(r) for c in self.cache]
+        kept = [i for i in range(len(self.rows)) if i != r]
+        draft = self.drafter.leave(r, kept)
+        self.rows.pop(r)
+        if not kept:
+            self.cache = []
+        index = mx.array(kept, dtype=mx.int32)
+        for c in self.cache:
+            c.filter(index)
+        return ContextCache(target, draft, row.tokens)
+
+    def catch_up(self) -> None:
+        """Hand the drafter the plain steps' features it has not seen, for every row."""
+        if self.unobserved:
+            features = mx.concatenate(self.unobserved, axis=1)
+            self.drafter.observe(features, [features.shape[1]] * len(self.rows))
+            self.unobserved = []
+
+    # --- cycles ------------------------------------------------------------------
+
+    def choose_block(self) -> int:
+        left = [r.tokens_left() for r in self.rows]
+        b = self.policy.choose(self.rows)
+        if None not in left:  # no row takes more than its tokens left
+            b = min(b, max(left))
+        return max(1, b)
+
+    def cycle(self) -> list[RowCycle]:
+        """One cycle for every row: a plain batched step (b = 1) or draft + verify."""
+        if not self.rows:
+            return []
+        b = self.block_size = self.choose_block()
+        ys = mx.array([r.pending for r in self.rows], dtype=mx.int32)
+        cycles = self._plain(ys) if b == 1 else self._speculate(ys, b)
+        self.policy.update(self.rows, b, [c.accepted for c in cycles])
+        return cycles
+
+    def _keep(self, row: Row, logits: mx.array) -> None:
+        row.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if row.keep_logprobs else None
+
+    def _plain(self, ys: mx.array) -> list[RowCycle]:
+        out = self.target.forward(ys[:, None], self.cache, self.layer_ids)
+        self.unobserved.append(out.features)
+        logits = self.target.logits(out.hidden[:, -1])  # [B, V]
+        chosen, processed = [], []
+        for i, row in enumerate(self.rows):
+            row_logits = logits[i : i + 1]
+            if row.sampler.sees_history:
+                row_logits = row.sampler.process(row_logits, row.history(ys[i : i + 1]))
+            token = row.sampler.next_token(row_logits)
+            row.sampler.commit(token)
+            chosen.append(token)
+            processed.append(row_logits)
+        mx.eval(chosen)
+        cycles = []
+        for row, token, row_logits in zip(self.rows, chosen, processed):
+            y = row.pending
+            row.tokens.append(y)
+            row.remember([y])
+            row.pending = token.item()
+            row.emitted += 1
+            self._keep(row, row_logits)
+            cycles.append(RowCycle(row, [row.pending], 0))
+        return cycles
+
+    def _speculate(self, ys: mx.array, b: int) -> list[RowCycle]:
+        self.catch_up()
+        drafts = self.drafter.propose(ys, b, self.rows)
+        block = mx.concatenate([ys[:, None], mx.stack([d for d, _, _ in drafts])], axis=1)  # [B, b]
+        out = self.target.forward(block, self.cache, self.layer_ids, record=True)
+        logits = self.target.logits(out.hidden)  # [B, b, V]
+        verdicts, processed = [], []
+        for i, (row, (drafted, q, _)) in enumerate(zip(self.rows, drafts)):
+            row_logits = row.sampler.process(logits[i], row.history(block[i]))
+            verdicts.append(row.sampler.verify(row_logits, drafted, q))
+            processed.append(row_logits)
+        mx.eval(verdicts, block, [f for _, _, f in drafts])  # the one sync of the cycle
+        finite = [f.item() for _, _, f in drafts]
+        accepted = [a.item() if ok else 0 for (a, _), ok in zip(verdicts, finite)]
+        keeps = [a + 1 for a in accepted]
+        self.target.rollback_rows(self.cache, out, keeps)
+        self.drafter.observe(out.features, keeps)
+        blocks = block.tolist()
+        cycles = []
+        for row, (a, keep), (_, next_token), ok, row_logits, drafted, ids in zip(
+                self.rows, zip(accepted, keeps), verdicts, finite, processed, drafts, blocks):
+            committed = ids[:keep]
+            row.tokens.extend(committed)
+            row.remember(committed)
+            if not ok:
+                cycles.append(RowCycle(row, [], 0, NON_FINITE))
+                continue
+            row.sampler.commit(mx.concatenate([drafted[0][:a], next_token]))
+            row.pending = next_token.item()
+            row.emitted += keep
+            self._keep(row, row_logits[:keep])
+            cycles.append(RowCycle(row, committed[1:] + [row.pending], a))
+        return cycles

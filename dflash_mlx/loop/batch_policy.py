@@ -1,0 +1,183 @@
+"""The batch's block size: one b per cycle for all rows (``loop/batch.py``).
+
+``BatchBlock`` is ``AdaptiveBlock`` over the batch: it learns one acceptance
+curve from every row's outcomes (the batch verifies one b for all of them, so
+what decides b is the rows' mean expected tokens) and prices a cycle per row:
+the seconds of a pass over B rows of b tokens, over B. Those come from the
+pair's cost curve (one row) times the batch's measured width factor
+(``BatchCosts``: the passes timed at widths 1, 2, 4 and 8 on this machine).
+As rows are added a speculative cycle costs more per row only as far as the
+passes stop being bound by reading the weights, so drafting pays less at
+larger widths and the policy falls back to plain batched steps (b = 1) where
+it does not pay. With one row it is ``AdaptiveBlock`` on the same curve,
+except that a probe is verified instead of drafted beside a plain step.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from . import cost_curve as costs
+from .block_policy import AdaptiveBlock
+from ..targets import RowKVCache
+
+WIDTHS = (1, 2, 4, 8)  # batch widths timed; wider batches use the widest factor
+SIZES = (1, 2, 4, 8, 16)  # block sizes timed (those up to the draft's trained size)
+CONTEXT = 64  # tokens each row holds while timing
+REPEATS = 3
+
+
+@dataclass(frozen=True)
+class BatchCosts:
+    """Seconds of a batch cycle relative to B one-row cycles of the same b:
+    ``factor[w][s]`` at ``WIDTHS[w]``, size ``sizes[s]``, measured."""
+
+    sizes: tuple[int, ...]
+    factors: tuple[tuple[float, ...], ...]  # per width in WIDTHS, per size
+
+    def __post_init__(self):
+        ok = (len(self.sizes) >= 1 and len(self.factors) == len(WIDTHS)
+              and all(len(row) == len(self.sizes) for row in self.factors)
+              and all(isinstance(f, (int, float)) and 0 < f < float("inf") for row in self.factors for f in row))
+        if not ok:
+            raise ValueError(f"not batch costs: {self}")
+
+    def to_dict(self) -> dict:
+        return {"widths": list(WIDTHS), "sizes": list(self.sizes), "factors": [list(row) for row in self.factors]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BatchCosts":
+        if d["widths"] != list(WIDTHS):
+            raise ValueError("other widths")
+        return cls(tuple(d["sizes"]), tuple(tuple(row) for row in d["factors"]))
+
+    def factor(self, width: int, b: int) -> float:
+        """The width's factor at b (the nearest widths and sizes measured, linear between sizes)."""
+        w = max(i for i, x in enumerate(WIDTHS) if x <= max(width, 1))
+        row, sizes = self.factors[w], self.sizes
+        if b <= sizes[0]:
+            return row[0]
+        for (b0, f0), (b1, f1) in zip(zip(sizes, row), zip(sizes[1:], row[1:])):
+            if b <= b1:
+                return f0 + (f1 - f0) * (b - b0) / (b1 - b0)
+        return row[-1]
+
+
+class WidthCosts:
+    """A cost curve priced per row of a batch of ``width`` rows."""
+
+    def __init__(self, curve, batch: BatchCosts, width: int = 1):
+        self.curve, self.batch, self.width = curve, batch, width
+
+    def cycle_seconds(self, b: int, context: Optional[int] = None) -> float:
+        return self.curve.cycle_seconds(b, context) * self.batch.factor(self.width, b)
+
+    def draft(self, b: int, context: Optional[int] = None) -> float:
+        return self.curve.draft(b, context) * self.batch.factor(self.width, b)
+
+
+class FixedRows:
+    """The same b for every cycle."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def choose(self, rows: list) -> int:
+        return self.block_size
+
+    def update(self, rows: list, block_size: int, accepted: list[int]) -> None:
+        pass
+
+
+class BatchBlock:
+    """``AdaptiveBlock`` for a batch: one acceptance curve learned from every
+    row, cycles priced per row at the batch's width."""
+
+    def __init__(self, curve, batch: BatchCosts, max_block: int):
+        self.costs = WidthCosts(curve, batch)
+        self.block = AdaptiveBlock(self.costs, max_block)
+        self.probing = False  # the block chosen last is a probe: its outcomes count as one
+
+    def choose(self, rows: list) -> int:
+        if len(rows) != self.costs.width:
+            self.costs.width = len(rows)
+            self.block.reprice()
+        left = [r.tokens_left() for r in rows]
+        b = self.block.choose(max(len(r.tokens) for r in rows), None if None in left else max(left))
+        self.probing = False
+        if b == 1:
+            due = self.block.probe()  # drafted beside a plain step alone, it is verified in a batch
+            if due > 1:
+                b, self.probing = due, True
+        return b
+
+    def update(self, rows: list, block_size: int, accepted: list[int]) -> None:
+        if not self.probing:
+            for a in accepted:  # each row's cycle is one outcome
+                self.block.update(block_size, a)
+            return
+        hits = []  # a probe is one outcome: per position, the share of the rows reaching it that accepted it
+        for i in range(block_size - 1):
+            reached = [a for a in accepted if a >= i]
+            if not reached:
+                break
+            hits.append(sum(a > i for a in reached) / len(reached))
+        self.block.probed(block_size, hits)
+
+
+def measure(target, draft, sizes: tuple[int, ...]) -> BatchCosts:
+    """Time the target's verify pass with its logits and the draft's pass over
+    [B, b] at every width and size, with ``CONTEXT`` tokens in each row's
+    caches; a width's factor is its time over B times the one-row time."""
+    layer_ids = draft.config.target_layer_ids
+
+    def seconds(width: int, b: int) -> float:
+        rows = lambda c: RowKVCache(lengths=[0] * width) if isinstance(c, KVCache) else c
+        cache = [rows(c) for c in target.make_cache()]
+        context = [RowKVCache(lengths=[0] * width) for _ in draft.layers]
+        out = target.forward(mx.zeros((width, CONTEXT), dtype=mx.int32), cache, layer_ids)
+        draft.inject(out.features, context)
+        mx.eval([c.state for c in cache + context])
+        block = mx.ones((width, b), dtype=mx.int32)
+        times = []
+        for _ in range(REPEATS):
+            tic = time.perf_counter()
+            out = target.forward(block, cache, layer_ids, record=b > 1)
+            work = [target.logits(out.hidden), out.features]
+            if b > 1:
+                work.append(draft(target.embed(block), context))
+            mx.eval(work)
+            times.append(time.perf_counter() - tic)
+            for c in cache:
+                if isinstance(c, RowKVCache):
+                    c.trim(b)  # recurrent states only move on: their size does not grow
+        return min(times)
+
+    one = {b: seconds(1, b) for b in sizes}
+    factors = [tuple(1.0 if width == 1 else seconds(width, b) / (width * one[b]) for b in sizes) for width in WIDTHS]
+    return BatchCosts(sizes, tuple(factors))
+
+
+def batch_costs(target, draft, directory=None) -> BatchCosts:
+    """The pair's batch factors on this machine: cached beside its cost curve
+    (same key, plus the widths), else measured (a few seconds) and cached."""
+    key = {**costs.cache_key(target, draft), "widths": list(WIDTHS)}
+    path = costs.cache_path(key, directory, "batch-costs")
+    found = costs.read_cached(path, key, BatchCosts)
+    if found is None:
+        found = measure(target, draft, tuple(s for s in SIZES if s <= draft.config.block_size))
+        costs.write_cached(path, key, found)
+    return found
+
+
+def batch_policy(target, draft, block_size: Union[int, str, None]):
+    """The policy of ``block_size``: a fixed b (None: the draft's trained size),
+    or ``"auto"``: ``BatchBlock`` on the pair's cost curve and its batch factors."""
+    if block_size is None:
+        return FixedRows(draft.config.block_size)
+    if isinstance(block_size, int):
+        return FixedRows(block_size)
+    return BatchBlock(costs.cost_curve(target, draft), batch_costs(target, draft), draft.config.block_size)

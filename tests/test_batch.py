@@ -1,0 +1,182 @@
+"""Several requests at once (``loop/batch.py``): every row's output is its solo
+output, rows joining and leaving mid-flight, exact per-row rollback at every
+combination of acceptance lengths, masks that hide rejected tails, and
+sampling that keeps the target's distribution per row."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.models.cache import ArraysCache, KVCache
+from test_loop import assert_same_or_near_tie, greedy_reference
+
+from dflash_mlx import DFlashError, Target, batch_generate, generate, load_draft
+from dflash_mlx.loop import BatchDecoder, BlockSampler, SamplingParams
+from dflash_mlx.loop.decoder import ContextCache, SpeculativeDecoder
+from dflash_mlx.targets import RowKVCache
+
+FAMILIES = ["llama", "qwen3", "qwen3_5", "qwen3_5_moe", "gemma4"]
+PROMPTS = ["the quick brown fox", "hello", "write a short story about a cat who", "a b c d e f g h i j k"]
+LIMITS = [24, 9, 17, 30]  # rows leave at different cycles
+
+
+@pytest.fixture(scope="module")
+def loaded(target_dirs, draft_dir):
+    """family -> (mlx-lm model, tokenizer, draft); the draft has a sliding-window layer."""
+    out = {}
+    for family in FAMILIES:
+        model, tokenizer = mlx_lm_load(str(target_dirs[family]))
+        path = draft_dir(family, block_size=8, layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+                         **({"target_layer_ids": [1, 4]} if family == "gemma4" else {}))
+        out[family] = (model, tokenizer, load_draft(str(path)))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_every_row_is_its_solo_run_with_rows_joining_and_leaving(loaded, family, block_size):
+    model, tokenizer, draft = loaded[family]
+    results = batch_generate(model, draft, tokenizer, PROMPTS, max_tokens=LIMITS, block_size=block_size,
+                             max_concurrency=3)  # the fourth joins when the first row leaves
+    assert [r.prompt_tokens for r in results] == [len(tokenizer.encode(p)) for p in PROMPTS]
+    for prompt, limit, result in zip(PROMPTS, LIMITS, results):
+        solo = generate(model, draft, tokenizer, prompt, max_tokens=limit, block_size=block_size)
+        assert result.tokens == solo.tokens
+        assert result.finish_reason == solo.finish_reason
+        ids = tokenizer.encode(prompt)
+        want = greedy_reference(model, ids, limit)
+        eos = tokenizer.eos_token_id
+        want = want[: want.index(eos)] if eos in want else want
+        assert_same_or_near_tie(model, ids, result.tokens, want)
+
+
+class RowOracle:
+    """Proposes each row's greedy continuation (known in advance), corrupted
+    so that row r accepts exactly ``plan[r]`` drafts in the next cycle."""
+
+    def __init__(self, continuations: dict, vocab_size: int):
+        self.continuations = continuations  # tag -> the full greedy sequence (prompt + continuation)
+        self.vocab_size = vocab_size
+        self.plan: dict = {}  # tag -> drafts to accept this cycle (b-1: all)
+
+    def solo(self, cache):
+        return self
+
+    def observe(self, features, tokens):
+        pass
+
+    def join(self, cache):
+        pass
+
+    def leave(self, r, kept):
+        return []
+
+    def propose(self, ys, block_size, rows):
+        drafts = []
+        for row in rows:
+            seq = self.continuations[row.tag]
+            start = len(row.tokens) + 1  # the index of d_1
+            tokens = list(seq[start : start + block_size - 1])
+            a = self.plan[row.tag]
+            if a < block_size - 1:
+                tokens[a] = (tokens[a] + 1) % self.vocab_size
+            drafts.append((mx.array(tokens, dtype=mx.int32), None, mx.array(True)))
+        return drafts
+
+
+def solo_caches(target, tokens):
+    """The caches of ``tokens`` fed to the target alone, one verify-shaped pass at a time is not needed:
+    a prefill of exactly those tokens."""
+    cache = target.make_cache()
+    target.forward(mx.array(tokens)[None], cache, [0])
+    return cache
+
+
+def assert_row_caches_equal(extracted: list, reference: list):
+    for got, want in zip(extracted, reference):
+        if isinstance(want, ArraysCache):
+            for g, w in zip(got.cache, want.cache):
+                assert g.shape == w.shape
+                assert mx.allclose(g, w, atol=1e-4, rtol=1e-4).item()
+        else:
+            assert got.offset == want.offset
+            n = want.offset
+            gk, gv, wk, wv = (a[..., :n, :] for a in (got.keys, got.values, want.keys, want.values))
+            assert mx.allclose(gk, wk, atol=1e-4, rtol=1e-4).item() and mx.allclose(gv, wv, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma4"])
+def test_rollback_is_exact_per_row_at_every_combination_of_acceptance_lengths(loaded, family):
+    model, tokenizer, draft = loaded[family]
+    target = Target(model)
+    block = 4
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    cycles = list(itertools.product(range(block), repeat=2))  # (a_0, a_1) in 0..b-1: b-1 is the full block
+    length = sum(max(a) for a in cycles) + 2 * len(cycles) + 4
+    continuations = {i: p + greedy_reference(model, p, length) for i, p in enumerate(prompts)}
+    oracle = RowOracle(continuations, target.vocab_size)
+    decoder = BatchDecoder(target, draft, block, drafter=oracle)
+    rows = [decoder.add(mx.array(p), BlockSampler(SamplingParams()), tag=i)[0] for i, p in enumerate(prompts)]
+    for plan in cycles:
+        oracle.plan = dict(enumerate(plan))
+        for row, a, cycle in zip(rows, plan, decoder.cycle()):
+            assert cycle.accepted == a
+            assert row.tokens + [row.pending] == continuations[row.tag][: len(row.tokens) + 1]
+        for r, row in enumerate(rows):  # each row's caches hold exactly its committed tokens
+            extracted = [c.extract(r) for c in decoder.cache]
+            assert_row_caches_equal(extracted, solo_caches(target, row.tokens))
+
+
+def test_a_rejected_tail_is_never_attended():
+    """Slots past a row's length hold its rejected drafts; poisoned with large
+    values, they must not change any row's attention."""
+    B, H, D = 2, 2, 8
+    keys = mx.random.normal((B, H, 6, D), key=mx.random.key(0))
+    values = mx.random.normal((B, H, 6, D), key=mx.random.key(1))
+    cache = RowKVCache(keys, values, lengths=[6, 6])
+    cache.trim_rows([3, 1])  # row 0 keeps 3 positions, row 1 keeps 5
+    cache.keys[0, :, 3:] = 1e3
+    cache.values[0, :, 3:] = 1e3
+    new_k = mx.random.normal((B, H, 2, D), key=mx.random.key(2))
+    new_v = mx.random.normal((B, H, 2, D), key=mx.random.key(3))
+    q = mx.random.normal((B, H, 2, D), key=mx.random.key(4))
+    mask = cache.visible(2)
+    k, v = cache.update_and_fetch(new_k, new_v)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+    for r, n in enumerate([3, 5]):
+        want_k = mx.concatenate([keys[r : r + 1, :, :n], new_k[r : r + 1]], axis=2)
+        want_v = mx.concatenate([values[r : r + 1, :, :n], new_v[r : r + 1]], axis=2)
+        want = mx.fast.scaled_dot_product_attention(q[r : r + 1], want_k, want_v, scale=D**-0.5, mask="causal")
+        assert mx.allclose(out[r : r + 1], want, atol=1e-5).item()
+    assert cache.lengths == [5, 7]
+
+
+def test_a_row_leaves_with_caches_that_continue_alone(loaded):
+    model, tokenizer, draft = loaded["qwen3_5"]
+    target = Target(model)
+    decoder = BatchDecoder(target, draft, 4)
+    ids = [mx.array(tokenizer.encode(p)) for p in PROMPTS[:3]]
+    rows = [decoder.add(p, BlockSampler(SamplingParams()), tag=i)[0] for i, p in enumerate(ids)]
+    for _ in range(3):
+        decoder.cycle()
+    row = rows[1]
+    context = decoder.remove(row)
+    assert context.tokens == row.tokens and len(decoder.rows) == 2
+    assert [c.offset for c in context.draft] == [len(row.tokens)] * len(context.draft)
+    # continued alone from the caches it left with: the same tokens as a solo run of the whole prompt
+    prompt = row.tokens + [row.pending]
+    more = generate(model, draft, tokenizer, prompt, max_tokens=12, block_size=4, context=context)
+    alone = generate(model, draft, tokenizer, prompt, max_tokens=12, block_size=4)
+    assert more.tokens == alone.tokens
+
+
+def test_batch_generate_refuses_bad_input_in_one_line(loaded):
+    model, tokenizer, draft = loaded["llama"]
+    with pytest.raises(DFlashError, match="unknown arguments"):
+        batch_generate(model, draft, tokenizer, ["a"], tempreature=0.5)
+    with pytest.raises(DFlashError, match="one max_tokens"):
+        batch_generate(model, draft, tokenizer, ["a", "b"], max_tokens=[3])
+    with pytest.raises(DFlashError, match="max_concurrency"):
+        batch_generate(model, draft, tokenizer, ["a"], max_concurrency=0)
