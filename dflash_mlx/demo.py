@@ -29,7 +29,7 @@ class DemoPair:
 
 def demo_pair() -> DemoPair:
     """Paths of the bundled pair; raises DFlashError if the install lacks it."""
-    pair = DemoPair(DEMO_DIR / "target", DEMO_DIR / "draft", DEMO_DIR / "heldout_prompts.jsonl")
+    pair = DemoPair(DEMO_DIR / "target_model", DEMO_DIR / "draft", DEMO_DIR / "heldout_prompts.jsonl")
     for path in (pair.target, pair.draft):
         if not (path / "config.json").is_file() or not list(path.glob("*.safetensors")):
             raise DFlashError(

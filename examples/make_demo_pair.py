@@ -255,10 +255,10 @@ def stage_target(work: Path, steps=None, stop_after=None, from_scratch=False) ->
     final = out / "final"
     if (final / "config.json").is_file():
         return final
-    if not from_scratch and (INSTALLED / "target" / "config.json").is_file():
+    if not from_scratch and (INSTALLED / "target_model" / "config.json").is_file():
         with staged_output(final, force=True) as tmp:
-            shutil.copytree(INSTALLED / "target", tmp)
-        print(f"target: using the installed {INSTALLED / 'target'}", file=sys.stderr)
+            shutil.copytree(INSTALLED / "target_model", tmp)
+        print(f"target: using the installed {INSTALLED / 'target_model'}", file=sys.stderr)
         return final
     cfg = TARGET_OPTIM
     if steps:
@@ -613,7 +613,7 @@ def stage_install(work: Path, force: bool = False) -> Path:
             raise SystemExit(f"{path} is missing; run the earlier stages first")
     if not stage_check(work) and not force:
         raise SystemExit("install: the pair misses a gate above; the installed pair is kept (--force installs anyway)")
-    for src, name in ((target, "target"), (draft, "draft")):
+    for src, name in ((target, "target_model"), (draft, "draft")):
         shutil.rmtree(dest / name, ignore_errors=True)
         (dest / name).mkdir(parents=True)
         for f in sorted(src.iterdir()):

@@ -1,7 +1,7 @@
 """The package's shape: no import cycles, one door per concept, the emulation
-harness stands alone, modules stay small, no package folder has a name that a
-common .gitignore ignores, and every document the project cites is in the
-repository."""
+harness stands alone, modules stay small, no package folder and no tracked
+folder at any depth has a name that a common .gitignore ignores, and every
+document the project cites is in the repository."""
 
 import ast
 import re
@@ -190,8 +190,9 @@ def test_every_cited_document_is_in_the_repository():
 
 # Folder names that GitHub's standard .gitignore templates ignore wherever they
 # occur (build output, downloaded dependencies, environments), with the
-# templates that ignore each. A package folder with one of these names is
-# silently left out of the commits of a contributor who uses the template.
+# templates that ignore each. A package folder, or any folder holding tracked
+# files (the demo pair's weights included), with one of these names is silently
+# left out of the commits of a contributor who uses the template.
 IGNORED_BY_TEMPLATES = {
     "target": "Python (PyBuilder), Rust (Cargo) and Java (Maven)",
     "build": "Python (distribution / packaging)",
@@ -244,6 +245,41 @@ def test_no_package_folder_is_ignored_by_a_common_gitignore_template():
     assert ROOT / PACKAGE / "draft" in folders and ROOT / "convert" in folders and ROOT / "docs" in folders
     ignored = ignored_folders(folders)
     assert not ignored, "rename the folder:\n" + "\n".join(ignored)
+
+
+def folders_of(files: list[str]) -> list[Path]:
+    """Every folder, at any depth, that holds one of ``files`` (paths relative
+    to the repository), directly or below it."""
+    return sorted({ROOT / parent for f in files for parent in Path(f).parents if parent != Path(".")})
+
+
+def tracked_folders() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    return folders_of([f for f in out.stdout.split("\0") if f])
+
+
+def test_no_tracked_folder_is_ignored_by_a_common_gitignore_template():
+    """Every folder that holds a tracked file, at any depth, data folders
+    included: a new file put there (a rebuilt demo pair's weights) would
+    otherwise be silently left out of a contributor's commits."""
+    folders = tracked_folders()
+    assert ROOT / PACKAGE / "demo_pair" / "draft" in folders and ROOT / ".ci" in folders
+    ignored = ignored_folders(folders)
+    assert not ignored, "rename the folder:\n" + "\n".join(ignored)
+
+
+def test_the_tracked_folder_check_sees_a_nested_data_folder():
+    """The demo pair's target once lived in demo_pair/target/, which holds no
+    module and is no top-level folder: the check sees it."""
+    folders = folders_of(["README.md", f"{PACKAGE}/demo_pair/target/config.json", f"{PACKAGE}/demo_pair/draft/x.json"])
+    assert folders == [ROOT / PACKAGE, ROOT / PACKAGE / "demo_pair", ROOT / PACKAGE / "demo_pair" / "draft",
+                       ROOT / PACKAGE / "demo_pair" / "target"]
+    assert ignored_folders(folders) == [
+        f"{PACKAGE}/demo_pair/target: 'target/' is ignored by GitHub's "
+        f"{IGNORED_BY_TEMPLATES['target']} .gitignore template",
+    ]
 
 
 def test_the_template_check_sees_a_target_folder():

@@ -92,3 +92,22 @@ def test_compare_reads_an_unfinished_draft_from_its_newest_checkpoint(pipeline, 
     assert (probe / "model.safetensors").read_bytes() == bytes([50]) * 16
     fake_output(run / "draft", "finished")
     assert pipeline.newest_draft(run) == run / "draft"
+
+
+def test_the_target_stage_starts_from_the_target_the_package_ships(pipeline, tmp_path):
+    """The script and dflash_mlx.demo name the same folder for the shipped
+    target (demo_pair/target_model/: a folder named target/ is ignored by
+    common .gitignore templates, so a rebuilt pair's files would go uncommitted)."""
+    from dflash_mlx import DFlashError
+    from dflash_mlx.demo import demo_pair
+
+    try:
+        shipped = demo_pair().target
+    except DFlashError:
+        pytest.skip("the bundled demo pair is not in this checkout")
+    assert shipped.name != "target"
+    final = pipeline.stage_target(tmp_path / "work")
+    assert final == tmp_path / "work" / "target" / "final"
+    assert (final / "config.json").read_text() == (shipped / "config.json").read_text()
+    copied = sorted(p.name for p in final.iterdir() if not p.name.startswith("."))  # less staged_output's marker
+    assert copied == sorted(p.name for p in shipped.iterdir())
