@@ -425,6 +425,7 @@ def bench(
     link: str = typer.Option("tb5", "--link", help="--predict --machines: tb5 (Thunderbolt 5 RDMA, JACCL backend), tb5-ring or tb4-ring (TCP, ring backend); figures and sources in docs/distributed.md."),
     link_latency_us: Optional[float] = typer.Option(None, "--link-latency-us", help="--predict --machines: the link's latency per collective step, in microseconds, instead of --link's."),
     link_gbs: Optional[float] = typer.Option(None, "--link-gbs", help="--predict --machines: the link's bandwidth one way, in GB/s, instead of --link's."),
+    concurrency: Optional[list[str]] = typer.Option(None, "--concurrency", help="Widths N, e.g. 1,2,4,8: the prompts in waves of N requests at once, mlx-lm's batched decoding beside DFlash's batch decoder (greedy, one --block-size): aggregate tok/s, latency, time to first token, identity. docs/benchmarks.md."),
 ):
     """Baseline (mlx-lm), DFlash chains and DDTrees side by side: speedup, tau, acceptance, memory, identity."""
     _call(".bench.command", "main", **locals())

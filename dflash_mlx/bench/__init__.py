@@ -15,5 +15,7 @@ configuration (``report``); ``render`` prints and plots it.
 ``--predict`` runs nothing: ``cost_model`` prices each forward pass in bytes and
 FLOPs on the ``chips`` (a tree's verify over its B+1 positions), for a local
 pair or the ``presets`` (``predict``).
+``--concurrency N,...`` runs waves of N requests at once, mlx-lm's batched
+decoding beside our batch decoder (``concurrency``).
 ``command`` holds the command's argument handling.
 """

@@ -1,6 +1,7 @@
 """``dflash-mlx bench``: its options, checked before any model loads, then the
 measured run (``main_run``: the baseline, the chain at each block size and the
-DDTree of each budget) or, with ``--predict``, the cost model
+DDTree of each budget), with ``--concurrency`` the batched one
+(``bench.concurrency.main_concurrency``) or, with ``--predict``, the cost model
 (``bench.predict.main_predict``)."""
 
 import warnings
@@ -18,6 +19,7 @@ from ..registry import read_config, resolve_pair
 from ..targets import Target
 from .calibrate import load_pair, main_calibrate
 from .cluster import MODES, find_link, main_predict_cluster
+from .concurrency import main_concurrency, parse_width
 from .cost_model import context_length
 from .long_context import PROMPTS_PER_CONTEXT, context_prompts, context_summary, fitting, parse_context, render_contexts
 from .predict import main_predict
@@ -66,6 +68,11 @@ def parse_contexts(values: Optional[list[str]]) -> list[int]:
     return _listed(values, parse_context, "--context")
 
 
+def parse_concurrency(values: Optional[list[str]]) -> list[int]:
+    """``--concurrency``: widths, integers >= 1 (requests decoded at once)."""
+    return _listed(values, parse_width, "--concurrency")
+
+
 def parse_tree_budgets(values: Optional[list[str]]) -> list[int]:
     """``--tree-budget``: integers >= 1, or 0 for the chain (which every run has)."""
     return _listed(values, _budget, "--tree-budget")
@@ -82,8 +89,9 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
          draft_vocab: Optional[int] = None, draft_dtype: str = "auto", kv_bits: Optional[int] = None,
          kv_group_size: int = 64, quantized_kv_start: int = 5000, distributed: Optional[str] = None,
          machines: int = 1, link: str = "tb5", link_latency_us: Optional[float] = None,
-         link_gbs: Optional[float] = None) -> None:
+         link_gbs: Optional[float] = None, concurrency: Optional[list[str]] = None) -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed."""
+    widths = parse_concurrency(concurrency)
     sizes = parse_block_sizes(block_size)
     budgets = parse_tree_budgets(tree_budget)
     contexts = parse_contexts(context)
@@ -110,6 +118,28 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     if distributed is not None and (calibrate or synthetic):
         raise DFlashError("--distributed applies to a measured run or --predict --machines, "
                           "not --calibrate or --synthetic")
+    if widths:
+        others = {"--calibrate": calibrate, "--predict": predict, "--synthetic": synthetic, "--tree-budget": budgets,
+                  "--context": contexts, "--kv-bits": kv, "--distributed": distributed, "--plot": plot_out,
+                  "--draft-vocab": draft_vocab is not None, "--temp": temp != 0, "--machines": machines != 1,
+                  "--tau/--tree-tau/--results/--preset": tau is not None or tree_tau is not None or results or preset}
+        given = [flag for flag, value in others.items() if value]
+        if given:
+            raise DFlashError(f"--concurrency measures greedy batched decoding alone; leave out {', '.join(given)}")
+        if sizes and len(sizes) > 1:
+            raise DFlashError("--concurrency runs one --block-size (auto or an integer); give one")
+        validate.options({"max_tokens": max_tokens}, FLAGS)
+        validate.integer(repeat, "--repeat", low=1)
+        if limit is not None:
+            validate.integer(limit, "--limit", low=1)
+        if json_out:
+            check_output_file(json_out, "--json")
+            validate.writable(json_out, "--json")
+        main_concurrency(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, widths=widths,
+                         block_size=sizes[0] if sizes else validate.AUTO, repeat=repeat, limit=limit,
+                         categories=category, dtype=dtype, chat_template=not no_chat_template,
+                         enable_thinking=thinking, warmup=warmup, json_out=json_out, draft_dtype=draft_dtype)
+        return
     if calibrate:
         main_calibrate(model=model, draft=draft, dtype=dtype, draft_dtype=draft_dtype)
         return

@@ -1,0 +1,95 @@
+"""``dflash-mlx bench --concurrency``: waves of requests at once, mlx-lm's batched
+decoding beside our batch decoder, every reply identical to the request decoded
+alone, the JSON report's fields, and bad widths refused. No timing is asserted."""
+
+import json
+
+import pytest
+from cli_run import cli, one_error_line
+from typer.testing import CliRunner
+
+from dflash_mlx.bench.concurrency import DFLASH, MLX_LM, SCHEMA, validate_report, waves
+from dflash_mlx.cli import app
+
+PROMPTS = [
+    {"id": "a", "category": "math", "prompt": "the quick brown fox jumps over the lazy dog"},
+    {"id": "b", "category": "chat", "prompt": "hello world what is the capital of france"},
+    {"id": "c", "category": "chat", "prompt": "write a short story about a cat who"},
+]
+
+
+def test_waves_wrap_round_so_every_wave_is_full():
+    assert waves(4, 2) == [[0, 1], [2, 3]]
+    assert waves(3, 2) == [[0, 1], [2, 0]]
+    assert waves(3, 8) == [[0, 1, 2, 0, 1, 2, 0, 1]]
+    assert waves(2, 1) == [[0], [1]]
+
+
+def concurrency_run(tmp_path, model, draft, prompts, *options):
+    """``bench --concurrency`` with ``options``; (CLI output, the JSON report)."""
+    path, out = tmp_path / "p.jsonl", tmp_path / "c.json"
+    path.write_text("\n".join(json.dumps(p) for p in prompts))
+    res = CliRunner().invoke(app, ["bench", "--model", str(model), "--draft", str(draft), "--prompts", str(path),
+                                   "--no-warmup", "--json", str(out), *options])
+    assert res.exit_code == 0, res.output
+    return res.output, json.loads(out.read_text())
+
+
+def check_report(report: dict, widths: list[int], n_prompts: int, repeat: int = 1) -> None:
+    validate_report(report)
+    assert report["schema"] == SCHEMA and report["config"]["concurrency"] == widths
+    for w in widths:
+        entry = report["summary"][str(w)]
+        requests = len(waves(n_prompts, w)) * w * repeat
+        for side in (MLX_LM, DFLASH):
+            s = entry[side]
+            assert s["requests"] == requests and s["generated"] > 0 and s["wall_s"] > 0
+            assert s["tps_total"] > 0 and s["tps"]["median"] > 0
+            assert 0 < s["ttft_s"]["median"] <= s["latency_s"]["median"] <= s["latency_s"]["max"]
+            assert s["peak_memory_gb"] > 0
+        ours = entry[DFLASH]
+        assert ours["vs_solo"]["compared"] == ours["vs_mlx_lm"]["compared"] == requests
+        assert ours["vs_solo"]["identical"] == requests, ours["vs_solo"]["divergences"]
+        assert ours["vs_mlx_lm"]["identical"] + ours["vs_mlx_lm"]["near_ties"] == requests, ours["vs_mlx_lm"]
+        assert ours["tau"] >= 1 and sum(ours["block_histogram"].values()) == ours["cycles"] > 0
+        assert entry["speedup"]["median"] > 0 and entry["speedup_total"] > 0
+    for run in report["runs"]:
+        assert run["generated"] == sum(len(q["tokens"]) for q in run["requests"])
+        assert all(q["first_s"] <= q["done_s"] <= run["wall_s"] for q in run["requests"])
+
+
+def test_widths_one_and_two_on_a_tiny_pair(target_dirs, draft_dir, tmp_path):
+    output, report = concurrency_run(tmp_path, target_dirs["qwen3"], draft_dir("qwen3", block_size=4), PROMPTS,
+                                     "--concurrency", "1,2", "-n", "8", "-b", "4", "--no-chat-template")
+    check_report(report, [1, 2], len(PROMPTS))
+    # width 2 wraps round: waves (a, b) and (c, a); the sides alternate which goes first
+    runs = [(r["width"], r["wave"], r["side"]) for r in report["runs"]]
+    assert runs[:4] == [(1, 0, MLX_LM), (1, 0, DFLASH), (1, 1, DFLASH), (1, 1, MLX_LM)]
+    assert [r["prompts"] for r in report["runs"] if r["width"] == 2][::2] == [[0, 1], [2, 0]]
+    assert "mlx-lm tok/s" in output and "= alone" in output
+
+
+def test_the_demo_pair_speculates_in_a_batch(tmp_path):
+    """The demo pair's trained draft at a fixed block: rows accept drafts
+    (tau above 1) and every reply is still the request's own."""
+    from dflash_mlx.demo import demo_pair
+
+    pair = demo_pair()
+    prompts = [{"id": f"h{i}", "prompt": p} for i, p in enumerate(pair.load_prompts()[:2])]
+    _, report = concurrency_run(tmp_path, pair.target, pair.draft, prompts,
+                                "--concurrency", "2", "-n", "24", "-b", "8")
+    check_report(report, [2], 2)
+    assert report["summary"]["2"][DFLASH]["tau"] > 1
+    blocks = report["summary"]["2"][DFLASH]["block_histogram"]
+    assert "8" in blocks and all(int(b) <= 8 for b in blocks)  # smaller only where fewer tokens are left
+
+
+@pytest.mark.parametrize("value, wanted", [("0", "must be positive"), ("x", "'x' is not an integer"),
+                                           ("", "names nothing"), ("2,-1", "must be positive")])
+def test_bad_widths_are_one_error_line(value, wanted):
+    one_error_line(cli("bench", "--concurrency", value), wanted)
+
+
+def test_options_that_do_not_apply_are_refused():
+    one_error_line(cli("bench", "--concurrency", "2", "--temp", "0.5"), "leave out --temp")
+    one_error_line(cli("bench", "--concurrency", "2", "-b", "4,8"), "one --block-size")
