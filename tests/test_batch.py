@@ -180,3 +180,54 @@ def test_batch_generate_refuses_bad_input_in_one_line(loaded):
         batch_generate(model, draft, tokenizer, ["a", "b"], max_tokens=[3])
     with pytest.raises(DFlashError, match="max_concurrency"):
         batch_generate(model, draft, tokenizer, ["a"], max_concurrency=0)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The bundled pair: a qwen3_5 hybrid target and its trained DFlash2 draft (drafts are often accepted)."""
+    from dflash_mlx import load
+    from dflash_mlx.demo import demo_pair
+
+    pair = demo_pair()
+    model, tokenizer = load(str(pair.target))
+    return model, tokenizer, load_draft(str(pair.draft)), pair.load_prompts()[:5]
+
+
+def test_dflash2_rows_accept_their_own_prefixes_and_equal_their_solo_runs(demo):
+    model, tokenizer, draft, prompts = demo
+    limits = [40, 12, 33, 25, 40]
+    results = batch_generate(model, draft, tokenizer, prompts, max_tokens=limits, block_size=8, max_concurrency=3)
+    for prompt, limit, result in zip(prompts, limits, results):
+        solo = generate(model, draft, tokenizer, prompt, max_tokens=limit, block_size=8)
+        assert result.tokens == solo.tokens
+        same = first_block_mismatch(result, solo)  # the same drafts, accepted alike, while the blocks agree
+        assert same > 0 and result.acceptance_lengths[:same] == solo.acceptance_lengths[:same]
+    accepted = [a - 1 for r in results for a in r.acceptance_lengths]
+    assert max(accepted) >= 4 and min(accepted) == 0, "rows must accept different prefixes for this to bite"
+
+
+def first_block_mismatch(result, solo) -> int:
+    """The first cycle whose block differs between a batch's row and its solo
+    run (the batch drafts up to the tokens its longest row has left; a row
+    alone stops drafting at its own)."""
+    pairs = list(zip(result.block_sizes, solo.block_sizes))
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+
+
+def test_sampled_rows_with_seeds_equal_their_solo_runs_while_their_blocks_agree(demo):
+    """At temperature > 0 a row draws with its own key, in the order a solo run
+    draws: with the same seed, the same tokens as alone for as long as the
+    row's blocks are the ones it would use alone."""
+    model, tokenizer, draft, prompts = demo
+    sampling = [{"temperature": 0.8, "seed": 11}, {"temperature": 1.0, "top_p": 0.9, "seed": 5},
+                {"temperature": 0.6, "top_k": 20, "seed": 7}]
+    limits = [30, 20, 26]
+    results = batch_generate(model, draft, tokenizer, prompts[:3], max_tokens=limits, block_size=6,
+                             sampling=sampling)
+    for prompt, limit, extra, result in zip(prompts, limits, sampling, results):
+        solo = generate(model, draft, tokenizer, prompt, max_tokens=limit, block_size=6, **extra)
+        cycles = first_block_mismatch(result, solo)
+        emitted = 1 + sum(result.acceptance_lengths[:cycles])
+        assert emitted >= 12, "too few tokens compared to prove anything"
+        assert result.tokens[:emitted] == solo.tokens[:emitted]
+    assert len({tuple(r.tokens) for r in results}) == 3

@@ -217,7 +217,9 @@ class GatedDelta:
         restore(cache, record, keep)
 
     def row_cache(self, cache: ArraysCache) -> ArraysCache:
-        return cache  # mlx-lm's ArraysCache is a batch of its rows already
+        row = ArraysCache(len(cache.cache))  # mlx-lm's ArraysCache batches its rows already; a new one
+        row.cache = list(cache.cache)  # so extending the batch leaves the request's own cache as it was
+        return row
 
     def rollback_rows(self, cache: ArraysCache, record: GatedDeltaRecord, keeps: list[int], block: int) -> None:
         restore_rows(cache, record, keeps)
