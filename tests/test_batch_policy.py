@@ -1,0 +1,106 @@
+"""The batch's block size (``loop/batch_policy.py``): priced per row from the
+cost curve and the measured width factors, plain batched steps where drafting
+does not pay at the batch's width, one row as the adaptive block alone, a
+probe counted once, and the factors cached and validated like the curve."""
+
+import importlib
+import json
+
+import pytest
+
+from dflash_mlx.loop.batch_policy import WIDTHS, BatchBlock, BatchCosts, FixedRows, batch_costs
+from dflash_mlx.loop.block_policy import AdaptiveBlock
+from dflash_mlx.loop.cost_curve import CostCurve
+
+CURVE = CostCurve((1, 2, 4, 8, 16), (1.1, 1.2, 1.4, 1.8, 2.6), (0.0, 0.4, 0.5, 0.7, 1.1))
+SIZES = (1, 2, 4, 8, 16)
+# per row, a batch of 8 pays 0.2 of a plain step but 0.9 of a block of 16: drafting stops paying
+STEEPENING = BatchCosts(SIZES, ((1.0,) * 5, (0.6,) * 5, (0.35, 0.4, 0.5, 0.6, 0.7), (0.2, 0.4, 0.6, 0.8, 0.9)))
+
+
+class Row:
+    def __init__(self, tokens=100, left=None):
+        self.tokens = [0] * tokens
+        self.left = left
+
+    def tokens_left(self):
+        return self.left
+
+
+def test_one_row_chooses_as_the_adaptive_block_alone():
+    batch, alone = BatchBlock(CURVE, STEEPENING, 16), AdaptiveBlock(CURVE, 16)
+    outcomes = [3, 15, 0, 0, 7, 2, 15, 15, 1]
+    for a in outcomes:
+        b = batch.choose([Row()])
+        assert b == alone.choose(100, None)
+        batch.update([Row()], b, [min(a, b - 1)])
+        alone.update(b, min(a, b - 1))
+
+
+def test_wide_batches_fall_back_to_plain_steps_where_drafting_does_not_pay():
+    policy = BatchBlock(CURVE, STEEPENING, 16)
+    for _ in range(20):  # every row accepts 4 drafts of 8: speculation pays for one row
+        b = policy.choose([Row()])
+        policy.update([Row()], b, [min(4, b - 1)])
+    assert policy.choose([Row()]) > 1
+    assert policy.choose([Row()] * 8) == 1
+    per_row = lambda width, b: policy.costs.curve.cycle_seconds(b) * STEEPENING.factor(width, b)
+    rate = lambda b: policy.block.expected_tokens(b) / per_row(8, b)
+    assert all(rate(1) >= rate(b) for b in range(2, 17))
+
+
+def test_a_probe_counts_once_however_many_rows_verify_it():
+    policy = BatchBlock(CURVE, BatchCosts(SIZES, ((1.0,) * 5,) * 4), 16)
+    policy.block.acceptance = [0.0] * 15  # nothing pays: plain steps, then a probe falls due
+    policy.block.learned = True
+    rows = [Row()] * 4
+    for _ in range(200):
+        b = policy.choose(rows)
+        if policy.probing:
+            break
+        policy.update(rows, b, [0] * 4)
+    assert policy.probing and b > 1, "a probe must fall due"
+    policy.update(rows, b, [0, 1, 0, 0])
+    assert policy.block.failed_probes == 1
+    assert policy.block.acceptance[0] > 0  # one row in four accepted its first draft
+
+
+def test_fixed_rows_answers_its_block():
+    policy = FixedRows(5)
+    policy.update([Row()], 5, [2])
+    assert policy.choose([Row()] * 3) == 5
+
+
+def test_width_factors_interpolate_between_sizes_and_use_the_widest_measured_width():
+    assert STEEPENING.factor(8, 12) == pytest.approx(0.85)
+    assert STEEPENING.factor(16, 1) == STEEPENING.factor(8, 1)  # wider than measured: the widest
+    assert STEEPENING.factor(3, 4) == STEEPENING.factor(2, 4)  # between widths: the narrower
+    with pytest.raises(ValueError):
+        BatchCosts(SIZES, ((1.0,) * 5,) * 3)  # a width missing
+    with pytest.raises(ValueError):
+        BatchCosts(SIZES, ((1.0,) * 5,) * 3 + ((0.0,) * 5,))  # a free pass
+
+
+def test_batch_costs_are_cached_beside_the_curve_and_a_corrupt_entry_is_measured_again(tmp_path, monkeypatch):
+    bp = importlib.import_module("dflash_mlx.loop.batch_policy")  # the door names a function batch_policy
+    cc = importlib.import_module("dflash_mlx.loop.cost_curve")
+
+    measured = []
+
+    def fake_measure(target, draft, sizes):
+        measured.append(sizes)
+        return BatchCosts(sizes, tuple((1.0,) * len(sizes) for _ in WIDTHS))
+
+    class Draft:
+        class config:
+            block_size = 8
+
+    monkeypatch.setattr(bp, "measure", fake_measure)
+    monkeypatch.setattr(cc, "cache_key", lambda target, draft: {"pair": "p"})
+    first = batch_costs(None, Draft, tmp_path)
+    assert batch_costs(None, Draft, tmp_path) == first and len(measured) == 1
+    assert measured[0] == (1, 2, 4, 8)  # only sizes the draft was trained for
+    (path,) = (tmp_path / "batch-costs").glob("*.json")
+    path.write_text(json.dumps({"schema": "x"}))
+    batch_costs(None, Draft, tmp_path)
+    assert len(measured) == 2
