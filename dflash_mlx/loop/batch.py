@@ -26,6 +26,7 @@ from ..targets import RowKVCache, Target
 from .batch_policy import FixedRows
 from .decoder import NON_FINITE, ContextCache, Proposer, SpeculativeDecoder, proposer_for, sound_logits
 from .sampling import BlockSampler
+from .verify import greedy_verify
 
 
 @dataclass
@@ -109,15 +110,19 @@ class DraftRows:
         hidden = proposer.block_hidden_rows(ys, block_size)  # [B, b-1, H]
         logits = self.draft.scale_logits(proposer.head(hidden))
         walk = isinstance(self.draft, DFlash2Draft)
+        greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # argmax-only rows' drafts, at once
+        sound = sound_logits(logits, axis=(1, 2))  # per row
         drafts = []
         for i, row in enumerate(rows):
-            if walk:  # DFlash2: the candidate selector's walk, as DFlash2Proposer.draft_block
+            if not walk and row.sampler.argmax_only:
+                drafted, q = greedy[i], None
+            elif walk:  # DFlash2: the candidate selector's walk, as DFlash2Proposer.draft_block
                 key = row.sampler.draft_key()
                 temperature = 0.0 if key is None else row.sampler.params.temperature
                 drafted, q = self.draft.candidate_selector.walk(hidden[i], logits[i], ys[i : i + 1], temperature, key)
             else:
                 drafted, q = row.sampler.draft(logits[i])
-            drafts.append((drafted, q, sound_logits(logits[i])))
+            drafts.append((drafted, q, sound[i]))
         return drafts
 
 
@@ -215,22 +220,24 @@ class BatchDecoder:
         out = self.target.forward(ys[:, None], self.cache, self.layer_ids)
         self.unobserved.append(out.features)
         logits = self.target.logits(out.hidden[:, -1])  # [B, V]
-        chosen, processed = [], []
+        chosen = mx.argmax(logits, axis=-1).astype(mx.int32)  # every argmax-only row's token, at once
+        own, processed = {}, []
         for i, row in enumerate(self.rows):
             row_logits = logits[i : i + 1]
-            if row.sampler.sees_history:
-                row_logits = row.sampler.process(row_logits, row.history(ys[i : i + 1]))
-            token = row.sampler.next_token(row_logits)
-            row.sampler.commit(token)
-            chosen.append(token)
+            if not row.sampler.argmax_only:
+                if row.sampler.sees_history:
+                    row_logits = row.sampler.process(row_logits, row.history(ys[i : i + 1]))
+                own[i] = row.sampler.next_token(row_logits)
+                row.sampler.commit(own[i])
             processed.append(row_logits)
-        mx.eval(chosen)
+        mx.eval(chosen, list(own.values()))
+        tokens = chosen.tolist()
         cycles = []
-        for row, token, row_logits in zip(self.rows, chosen, processed):
+        for i, (row, row_logits) in enumerate(zip(self.rows, processed)):
             y = row.pending
             row.tokens.append(y)
             row.remember([y])
-            row.pending = token.item()
+            row.pending = own[i].item() if i in own else tokens[i]
             row.emitted += 1
             self._keep(row, row_logits)
             cycles.append(RowCycle(row, [row.pending], 0))
@@ -242,29 +249,36 @@ class BatchDecoder:
         block = mx.concatenate([ys[:, None], mx.stack([d for d, _, _ in drafts])], axis=1)  # [B, b]
         out = self.target.forward(block, self.cache, self.layer_ids, record=True)
         logits = self.target.logits(out.hidden)  # [B, b, V]
-        verdicts, processed = [], []
+        greedy = greedy_verify(logits, block[:, 1:])  # every argmax-only row's verdict, at once
+        own, processed = {}, []
         for i, (row, (drafted, q, _)) in enumerate(zip(self.rows, drafts)):
-            row_logits = row.sampler.process(logits[i], row.history(block[i]))
-            verdicts.append(row.sampler.verify(row_logits, drafted, q))
+            row_logits = logits[i]
+            if not row.sampler.argmax_only:
+                row_logits = row.sampler.process(row_logits, row.history(block[i]))
+                own[i] = row.sampler.verify(row_logits, drafted, q)
             processed.append(row_logits)
-        mx.eval(verdicts, block, [f for _, _, f in drafts])  # the one sync of the cycle
-        finite = [f.item() for _, _, f in drafts]
-        accepted = [a.item() if ok else 0 for (a, _), ok in zip(verdicts, finite)]
+        finite = mx.stack([f for _, _, f in drafts])
+        mx.eval(greedy, list(own.values()), block, finite)  # the one sync of the cycle
+        accepted, next_tokens = (v.tolist() for v in greedy)
+        for i, (a, token) in own.items():
+            accepted[i], next_tokens[i] = a.item(), token.item()
+        finite = finite.tolist()
+        accepted = [a if ok else 0 for a, ok in zip(accepted, finite)]
         keeps = [a + 1 for a in accepted]
         self.target.rollback_rows(self.cache, out, keeps)
         self.drafter.observe(out.features, keeps)
         blocks = block.tolist()
         cycles = []
-        for row, (a, keep), (_, next_token), ok, row_logits, drafted, ids in zip(
-                self.rows, zip(accepted, keeps), verdicts, finite, processed, drafts, blocks):
+        for row, a, keep, next_token, ok, row_logits, ids in zip(
+                self.rows, accepted, keeps, next_tokens, finite, processed, blocks):
             committed = ids[:keep]
             row.tokens.extend(committed)
             row.remember(committed)
             if not ok:
                 cycles.append(RowCycle(row, [], 0, NON_FINITE))
                 continue
-            row.sampler.commit(mx.concatenate([drafted[0][:a], next_token]))
-            row.pending = next_token.item()
+            row.sampler.commit(mx.array(ids[1 : a + 1] + [next_token], dtype=mx.int32))
+            row.pending = next_token
             row.emitted += keep
             self._keep(row, row_logits[:keep])
             cycles.append(RowCycle(row, committed[1:] + [row.pending], a))

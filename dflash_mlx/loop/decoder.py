@@ -120,10 +120,11 @@ class DFlash2Proposer(DraftProposer):
         return self.draft.candidate_selector.transitions(*self._rows(y, block_size), y)
 
 
-def sound_logits(logits: mx.array) -> mx.array:
-    """Scalar: no NaN and no +inf in ``logits``. -inf is sound: it marks ids a
-    reduced drafting vocabulary leaves out."""
-    return ~(mx.isnan(logits) | (logits == mx.inf)).any()
+def sound_logits(logits: mx.array, axis=None) -> mx.array:
+    """No NaN and no +inf in ``logits`` (a scalar; per index of the axes not
+    reduced, given ``axis``). -inf is sound: it marks ids a reduced drafting
+    vocabulary leaves out."""
+    return ~(mx.isnan(logits) | (logits == mx.inf)).any(axis=axis)
 
 
 def proposer_for(draft: DFlashDraft, target: Target, cache: Optional[list] = None,

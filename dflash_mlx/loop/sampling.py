@@ -94,6 +94,12 @@ class BlockSampler:
         return None if self.greedy else self._next_key()
 
     @property
+    def argmax_only(self) -> bool:
+        """Whether every choice is the argmax of the raw logits (greedy, no
+        processors, no grammar), so a batch may choose for such rows at once."""
+        return self.greedy and not self.sees_history
+
+    @property
     def sees_history(self) -> bool:
         """Whether ``process`` reads the history (logits processors or a constraint)."""
         return bool(self.processors) or self.constraint is not None
