@@ -30,6 +30,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache
 
 from dflash_mlx import Target, kernels
+from dflash_mlx.targets import RowKVCache
 from dflash_mlx.targets import gated_delta as gd_adapter
 from dflash_mlx.loop.decoder import SpeculativeDecoder
 from dflash_mlx.emulate import EmulationError, metal_kernel
@@ -360,3 +361,32 @@ def test_on_device_parity(dtype, shape):
         want = state if keep == 0 else gdn.VERIFY.launch(q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep],
                                                           beta[:, :keep], state)[1]
         assert mx.array_equal(replayed, want).item(), f"keep {keep}"
+
+
+@needs_gxx
+def test_a_batch_rolls_each_row_back_in_one_replay_launch():
+    """Rows of a batch keeping different step counts go back in one gdn_replay
+    launch per layer (each row its own count), to exactly the states each row
+    gets rolled back alone."""
+    model = _qwen3_5()
+    target = Target(model)
+    tokens = mx.array([[3, 9, 27, 81, 243, 217], [5, 17, 3, 99, 42, 7]])
+    keeps = [2, 5]
+    counting = Counting()
+    rows = lambda: [c if isinstance(c, ArraysCache) else RowKVCache(lengths=[0, 0]) for c in target.make_cache()]
+    with kernels.use_backend(counting.backend):
+        warm = rows()  # the kernels' first use runs their self-checks
+        target.rollback_rows(warm, target.forward(tokens, warm, [1], record=True), keeps)
+        cache = rows()
+        fwd = target.forward(tokens, cache, [1], record=True)
+        replays = counting.launches.get("gdn_replay", 0)
+        target.rollback_rows(cache, fwd, keeps)
+        layers = sum(r is not None and hasattr(r, "g") for r in fwd.records)
+        assert counting.launches["gdn_replay"] - replays == layers  # one launch per layer for both rows
+        for r, keep in enumerate(keeps):
+            for c, rec in zip(cache, fwd.records):
+                if isinstance(c, ArraysCache):
+                    alone = ArraysCache(2)
+                    gd_adapter.restore(alone, rec.row(r), keep)
+                    assert mx.array_equal(c[0][r : r + 1], alone[0]).item()
+                    assert mx.array_equal(c[1][r : r + 1], alone[1]).item()

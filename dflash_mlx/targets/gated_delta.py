@@ -176,11 +176,20 @@ def restore(cache: ArraysCache, record: GatedDeltaRecord, keep: int) -> None:
 
 def restore_rows(cache: ArraysCache, record: GatedDeltaRecord, keeps: list[int]) -> None:
     """Set each row r of a batch's ``cache`` to its state after its first
-    ``keeps[r]`` recorded steps: row by row, each as ``restore`` sets a
-    request's own cache, so a row's state is the one it would have alone."""
+    ``keeps[r]`` recorded steps, each as ``restore`` sets a request's own
+    cache, so a row's state is the one it would have alone: where the block
+    ran in the verify kernel, one ``gdn_replay`` launch with each row's own
+    step count; elsewhere row by row."""
     if len(set(keeps)) == 1:
         restore(cache, record, keeps[0])
         return
+    if record.g is not None and gdn_kernels.REPLAY.enabled():
+        args = (record.k, record.v, record.g, record.beta, record.state, mx.array(keeps, dtype=mx.int32))
+        if gdn_kernels.REPLAY.active(*args):
+            window = record.conv_input.shape[1] - record.q.shape[1]
+            cache[0] = mx.concatenate([record.conv_input[r : r + 1, k : k + window] for r, k in enumerate(keeps)])
+            (cache[1],) = gdn_kernels.REPLAY.launch(*args)
+            return
     rows = []
     for r, keep in enumerate(keeps):
         row = ArraysCache(2)
