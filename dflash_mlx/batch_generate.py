@@ -9,7 +9,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import validate
-from .draft import DFlashDraft
+from .draft import DFlashDraft, subset_head
 from .errors import DFlashError
 from .generate import SAMPLING, GenerationResult, check_pair, drained, encode_prompt, request_sampler
 from .loop import BatchDecoder, batch_policy
@@ -25,6 +25,7 @@ def batch_generate(
     max_concurrency: Optional[int] = None,
     sampling: Optional[list[dict]] = None,
     prefill_step_size: int = 2048,
+    draft_vocab: Optional[int] = None,
     **shared,
 ) -> list[GenerationResult]:
     """Generate for every prompt with DFlash, decoding up to ``max_concurrency``
@@ -34,7 +35,8 @@ def batch_generate(
     limit or one per prompt; ``shared`` holds sampling arguments for every
     prompt (``temperature``, ``top_p``, ``seed``, ...), and ``sampling[i]``
     overrides them for prompt i (``response_format`` too: each row its own grammar). ``block_size``: as ``stream_generate``'s,
-    chosen for the whole batch each cycle (``loop/batch_policy.py``)."""
+    chosen for the whole batch each cycle (``loop/batch_policy.py``).
+    ``draft_vocab``: as ``stream_generate``'s, for every row."""
     unknown = set(shared) - set(SAMPLING) - {"response_format"}
     if unknown:
         raise DFlashError(f"batch_generate() got unknown arguments {sorted(unknown)}; "
@@ -50,6 +52,8 @@ def batch_generate(
         raise DFlashError(f"batch_generate() takes one max_tokens and one sampling entry per prompt ({n})")
     for limit in limits:
         validate.options({"max_tokens": limit})
+    validate.options({"prefill_step_size": prefill_step_size, "draft_vocab": draft_vocab})
+    head = None if draft_vocab is None else subset_head(target, draft.vocab_ranking, draft_vocab)
     width = n if max_concurrency is None else max_concurrency
     if width < 1:
         raise DFlashError(f"max_concurrency must be >= 1, got {width}")
@@ -60,7 +64,7 @@ def batch_generate(
     if ids:
         check_forward(target, ids[0])
     policy = batch_policy(target, draft, block_size)
-    decoder = BatchDecoder(target, draft, policy, prefill_step_size)
+    decoder = BatchDecoder(target, draft, policy, prefill_step_size, head)
     eos = set(tokenizer.eos_token_ids)
     results = [GenerationResult(text="", tokens=[], prompt_tokens=p.size) for p in ids]
     waiting = list(range(n))

@@ -107,7 +107,7 @@ def assert_row_caches_equal(extracted: list, reference: list):
             assert mx.allclose(gk, wk, atol=1e-4, rtol=1e-4).item() and mx.allclose(gv, wv, atol=1e-4, rtol=1e-4).item()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma4"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_rollback_is_exact_per_row_at_every_combination_of_acceptance_lengths(loaded, family):
     model, tokenizer, draft = loaded[family]
     target = Target(model)
@@ -231,3 +231,77 @@ def test_sampled_rows_with_seeds_equal_their_solo_runs_while_their_blocks_agree(
         assert emitted >= 12, "too few tokens compared to prove anything"
         assert result.tokens[:emitted] == solo.tokens[:emitted]
     assert len({tuple(r.tokens) for r in results}) == 3
+
+
+def test_each_row_keeps_its_own_processors_grammar_and_limit(loaded):
+    """Greedy rows with a repetition penalty, a logit bias and a grammar, each
+    beside the others: every row is its solo run under its own settings."""
+    model, tokenizer, draft = loaded["qwen3"]
+    limits = [20, 15, 25, 12]
+    plain = batch_generate(model, draft, tokenizer, PROMPTS, max_tokens=limits, block_size=4)
+    sampling = [{"repetition_penalty": 1.5, "repetition_context_size": 8},
+                {"logit_bias": {plain[1].tokens[2]: -100.0}},
+                {"response_format": {"type": "regex", "regex": "[a-z ]{3,40}"}},
+                {}]
+    results = batch_generate(model, draft, tokenizer, PROMPTS, max_tokens=limits, block_size=4, sampling=sampling)
+    for prompt, limit, extra, result in zip(PROMPTS, limits, sampling, results):
+        solo = generate(model, draft, tokenizer, prompt, max_tokens=limit, block_size=4, **extra)
+        assert result.tokens == solo.tokens and result.finish_reason == solo.finish_reason
+    assert all(a.tokens != b.tokens for a, b in zip(results[:3], plain))  # every setting changed its row
+    assert results[3].tokens == plain[3].tokens
+
+
+class NonFiniteForOneRow(RowOracle):
+    """Row 0's draft logits are not finite in the second cycle."""
+
+    def propose(self, ys, block_size, rows):
+        drafts = super().propose(ys, block_size, rows)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            drafted, q, _ = drafts[0]
+            drafts[0] = (drafted, q, mx.array(False))
+        return drafts
+
+
+def test_a_row_whose_draft_is_not_finite_fails_alone(loaded):
+    model, tokenizer, draft = loaded["llama"]
+    target = Target(model)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    continuations = {i: p + greedy_reference(model, p, 30) for i, p in enumerate(prompts)}
+    oracle = NonFiniteForOneRow(continuations, target.vocab_size)
+    oracle.plan = {0: 3, 1: 2}
+    decoder = BatchDecoder(target, draft, 4, drafter=oracle)
+    rows = [decoder.add(mx.array(p), BlockSampler(SamplingParams()), tag=i)[0] for i, p in enumerate(prompts)]
+    decoder.cycle()
+    failed, other = decoder.cycle()
+    assert failed.error and "non-finite" in failed.error and failed.tokens == []
+    assert other.error is None and other.accepted == 2
+    context = decoder.remove(rows[0])
+    assert context.tokens == continuations[0][: len(context.tokens)]  # its caches hold only target tokens
+    for _ in range(3):
+        (cycle,) = decoder.cycle()
+        assert cycle.accepted == 2
+    assert rows[1].tokens + [rows[1].pending] == continuations[1][: len(rows[1].tokens) + 1]
+
+
+def test_rows_draft_over_a_reduced_vocabulary(loaded):
+    """``draft_vocab`` batches: every row drafts over the same top-N head and
+    equals its solo run with the same ``draft_vocab``."""
+    model, tokenizer, draft = loaded["llama"]
+    draft.vocab_ranking = np.arange(model.args.vocab_size, dtype=np.int32)[::-1].copy()
+    try:
+        from dflash_mlx.draft import subset_head
+
+        target = Target(model)
+        decoder = BatchDecoder(target, draft, 4, head=subset_head(target, draft.vocab_ranking, 64))
+        for p in PROMPTS[:3]:
+            decoder.add(mx.array(tokenizer.encode(p)), BlockSampler(SamplingParams()))
+        ys = mx.array([r.pending for r in decoder.rows])
+        drafted = mx.stack([d for d, _, _ in decoder.drafter.propose(ys, 4, decoder.rows)])
+        assert (drafted >= model.args.vocab_size - 64).all().item()  # only the 64 top-ranked ids are drafted
+        results = batch_generate(model, draft, tokenizer, PROMPTS[:3], max_tokens=16, block_size=4, draft_vocab=64)
+        for prompt, result in zip(PROMPTS, results):
+            assert result.tokens == generate(model, draft, tokenizer, prompt, max_tokens=16, block_size=4,
+                                             draft_vocab=64).tokens
+    finally:
+        draft.vocab_ranking = None
