@@ -93,3 +93,40 @@ def test_bad_widths_are_one_error_line(value, wanted):
 def test_options_that_do_not_apply_are_refused():
     one_error_line(cli("bench", "--concurrency", "2", "--temp", "0.5"), "leave out --temp")
     one_error_line(cli("bench", "--concurrency", "2", "-b", "4,8"), "one --block-size")
+
+
+# ---------------------------------------------------------------- the cost model with a batch dimension
+
+def test_a_batch_reads_the_weights_once_and_pays_every_rows_flops():
+    from dflash_mlx.bench import cost_model as cm
+    from dflash_mlx.bench.chips import find_chips
+    from dflash_mlx.bench.presets import PRESETS
+
+    target_cfg, draft_cfg, _, tau = PRESETS["qwen3.5-9b"]
+    tp, dp = cm.target_profile(target_cfg), cm.draft_profile(draft_cfg)
+    one, four = cm.batch_forward(tp, 1, 16, 1024, 16), cm.batch_forward(tp, 4, 16, 1024, 16)
+    assert one.bytes == pytest.approx(tp.forward(16, 1024, 16).bytes) and one.flops == tp.forward(16, 1024, 16).flops
+    own = one.bytes - tp.dense_bytes - tp.head_bytes
+    assert four.bytes == pytest.approx(tp.dense_bytes + tp.head_bytes + 4 * own) and four.flops == 4 * one.flops
+    chip = find_chips(["M5 Max"])[0]
+    alone = cm.predict(tp, dp, chip, tau, 16)
+    batch = [cm.predict_batch(tp, dp, chip, tau, 16, n) for n in (1, 2, 4, 8, 16)]
+    assert batch[0].speedup == pytest.approx(alone.speedup)
+    assert batch[0].ar_tps == pytest.approx(alone.ar_tps) and batch[0].dflash_tps == pytest.approx(alone.dflash_tps)
+    # plain steps stay on the weights while the verify pass turns compute-bound: the speedup falls with N
+    assert [p.step_bound for p in batch] == ["memory"] * 5 and batch[-1].verify_bound == "compute"
+    assert all(a.speedup >= b.speedup for a, b in zip(batch, batch[1:])) and batch[-1].speedup < 1
+    assert all(a.ar_tps < b.ar_tps for a, b in zip(batch, batch[1:]))  # batched steps scale
+
+
+def test_cli_predict_concurrency(tmp_path):
+    out = tmp_path / "pb.json"
+    res = CliRunner().invoke(app, ["bench", "--predict", "--preset", "qwen3.5-9b", "--chip", "M5 Max",
+                                   "--concurrency", "1,8", "-b", "16,4", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["predictions"]
+    assert [(r["rows"], r["block_size"]) for r in rows] == [(1, 16), (1, 4), (8, 16), (8, 4)]
+    assert rows[0]["tau"] == 7.5 and rows[1]["tau"] < 7.5
+    assert rows[2]["speedup"] < rows[0]["speedup"]
+    one_error_line(cli("bench", "--predict", "--preset", "qwen3.5-9b", "--concurrency", "2", "-b", "auto"),
+                   "leave 'auto' out")

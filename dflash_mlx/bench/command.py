@@ -22,7 +22,7 @@ from .cluster import MODES, find_link, main_predict_cluster
 from .concurrency import main_concurrency, parse_width
 from .cost_model import context_length
 from .long_context import PROMPTS_PER_CONTEXT, context_prompts, context_summary, fitting, parse_context, render_contexts
-from .predict import main_predict
+from .predict import main_predict, main_predict_batch
 from .prompts import select_prompts
 from .render import console, plot, render
 from .report import check_output_file, machine_info, make_report, validate_report, write_json
@@ -118,6 +118,25 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     if distributed is not None and (calibrate or synthetic):
         raise DFlashError("--distributed applies to a measured run or --predict --machines, "
                           "not --calibrate or --synthetic")
+    if widths and predict:
+        if sizes and validate.AUTO in sizes:
+            raise DFlashError("--predict prices fixed block sizes; leave 'auto' out of --block-size")
+        others = {"--tree-budget": budgets, "--results": results, "--machines": machines != 1,
+                  "--distributed": distributed, "--kv-bits": kv, "--draft-vocab": draft_vocab is not None,
+                  "--tree-tau": tree_tau is not None}
+        given = [flag for flag, value in others.items() if value]
+        if given:
+            raise DFlashError(f"--predict --concurrency prices chains of one request per row; leave out {', '.join(given)}")
+        if len(contexts) > 1:
+            raise DFlashError("--predict prices one context: give one --context value")
+        if json_out:
+            check_output_file(json_out, "--json")
+            validate.writable(json_out, "--json")
+        main_predict_batch(model=model, draft=draft, preset=preset, tau=tau, block_sizes=sizes, widths=widths,
+                           chips=chip, context=contexts[0] if contexts else 1024,
+                           dtype=None if dtype in ("auto", "keep") else dtype, neural=neural_accelerators,
+                           overhead_ms=overhead_ms, json_out=json_out)
+        return
     if widths:
         others = {"--calibrate": calibrate, "--predict": predict, "--synthetic": synthetic, "--tree-budget": budgets,
                   "--context": contexts, "--kv-bits": kv, "--distributed": distributed, "--plot": plot_out,

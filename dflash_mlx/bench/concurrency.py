@@ -354,27 +354,32 @@ def render(report: dict, console) -> None:
                     f"x {cfg['repeat']} repeat(s), {cfg['max_tokens']} tokens, greedy, {cfg['dtype']}, "
                     f"block {cfg['block_size']}")
     for col in ("N", "mlx-lm tok/s", "DFlash tok/s", r"ratio median \[95%]", "total", "latency median s",
-                "slowest s", "TTFT median s", "tau", "blocks (b x cycles)", "peak GB", "= mlx-lm", "= alone"):
-        t.add_column(col, justify="right")
+                "slowest s", "TTFT median ms", "tau", "drafted cycles", "peak MB", "= mlx-lm", "= alone"):
+        t.add_column(col, justify="right", no_wrap=col.startswith("ratio"))
     med = lambda s: s["median"] if s else None  # noqa: E731
+    top = lambda s: s["max"] if s else None  # noqa: E731
     pair = lambda a, b, fmt="{:.2f}": f"{_f(a, fmt)} / {_f(b, fmt)}"  # noqa: E731
     for key, entry in report["summary"].items():
         theirs, ours, sp = entry[MLX_LM], entry[DFLASH], entry["speedup"]
         ci = sp and sp["median_interval"]
         ratio = (f"{sp['median']:.2f}x" + (f" \\[{ci[0]:.2f}-{ci[1]:.2f}]" if ci else "")) if sp else "-"
+        drafted = ours["cycles"] - ours["block_histogram"].get("1", 0)
 
         def same(ident: dict) -> str:
             text = f"{ident['identical']}/{ident['compared']}"
             return text + (f" (+{ident['near_ties']} near-tie)" if ident["near_ties"] else "")
 
+        ttft = [s and {**s, "median": s["median"] * 1e3} for s in (theirs["ttft_s"], ours["ttft_s"])]
         t.add_row(key, _f(theirs["tps_total"]), _f(ours["tps_total"]), ratio, _f(entry["speedup_total"], "{:.2f}x"),
                   pair(med(theirs["latency_s"]), med(ours["latency_s"])),
-                  pair(theirs["latency_s"] and theirs["latency_s"]["max"], ours["latency_s"] and ours["latency_s"]["max"]),
-                  pair(med(theirs["ttft_s"]), med(ours["ttft_s"]), "{:.3f}"), _f(ours["tau"], "{:.2f}"),
-                  " ".join(f"{b}x{n}" for b, n in ours["block_histogram"].items()),
-                  pair(theirs["peak_memory_gb"], ours["peak_memory_gb"], "{:.3f}"),
+                  pair(top(theirs["latency_s"]), top(ours["latency_s"])),
+                  pair(med(ttft[0]), med(ttft[1]), "{:.0f}"), _f(ours["tau"], "{:.2f}"),
+                  f"{drafted}/{ours['cycles']}", pair(theirs["peak_memory_gb"] * 1e3, ours["peak_memory_gb"] * 1e3, "{:.0f}"),
                   same(ours["vs_mlx_lm"]), same(ours["vs_solo"]))
     console.print(t)
+    for key, entry in report["summary"].items():
+        blocks = " ".join(f"{b}x{n}" for b, n in entry[DFLASH]["block_histogram"].items())
+        console.print(f"N={key}: blocks per cycle (block x cycles, 1: a plain batched step): {blocks}")
     console.print("tok/s: every token a wave generated over the time to its last one (prefill included), "
                   "total over the waves; ratio: ours over mlx-lm's per paired wave. Pairs of columns: "
                   "mlx-lm / DFlash.")
