@@ -305,3 +305,57 @@ def test_rows_draft_over_a_reduced_vocabulary(loaded):
                                              draft_vocab=64).tokens
     finally:
         draft.vocab_ranking = None
+
+
+class ProbeOnce:
+    """Plain steps only, with one probe of ``block`` due at the first step."""
+
+    def __init__(self, block):
+        self.due, self.outcomes = block, []
+
+    def choose(self, rows):
+        return 1
+
+    def probe(self):
+        due, self.due = self.due, 0
+        return due
+
+    def probed(self, block_size, rows):
+        self.outcomes.append((block_size, sorted(rows)))
+
+    def update(self, rows, block_size, accepted):
+        pass
+
+
+def test_a_probe_is_judged_per_row_against_its_own_plain_steps(loaded):
+    model, tokenizer, draft = loaded["qwen3_5"]
+    target = Target(model)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    continuations = {i: p + greedy_reference(model, p, 20) for i, p in enumerate(prompts)}
+    oracle = RowOracle(continuations, target.vocab_size)
+    oracle.plan = {0: 3, 1: 1, 2: 0}  # row 0's probe drafts are all right, row 1's first, row 2's none
+    policy = ProbeOnce(4)
+    decoder = BatchDecoder(target, draft, policy, drafter=oracle)
+    rows = [decoder.add(mx.array(p), BlockSampler(SamplingParams()), tag=i)[0] for i, p in enumerate(prompts)]
+    for _ in range(5):
+        decoder.cycle()
+    assert policy.outcomes == [(4, [[0.0], [1.0, 0.0], [1.0, 1.0, 1.0]])]
+    for row in rows:  # the probe changed no output: plain steps are the target's own
+        assert row.tokens + [row.pending] == continuations[row.tag][: len(row.tokens) + 1]
+
+
+def test_a_row_leaving_mid_probe_leaves_the_others_outcome(loaded):
+    model, tokenizer, draft = loaded["llama"]
+    target = Target(model)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    continuations = {i: p + greedy_reference(model, p, 20) for i, p in enumerate(prompts)}
+    oracle = RowOracle(continuations, target.vocab_size)
+    oracle.plan = {0: 3, 1: 2}
+    policy = ProbeOnce(4)
+    decoder = BatchDecoder(target, draft, policy, drafter=oracle)
+    rows = [decoder.add(mx.array(p), BlockSampler(SamplingParams()), tag=i)[0] for i, p in enumerate(prompts)]
+    decoder.cycle()
+    decoder.remove(rows[0])  # before its probe is judged whole
+    for _ in range(3):
+        decoder.cycle()
+    assert policy.outcomes == [(4, [[1.0, 1.0, 0.0]])]

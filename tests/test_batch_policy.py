@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dflash_mlx.loop.batch_policy import WIDTHS, BatchBlock, BatchCosts, FixedRows, batch_costs
-from dflash_mlx.loop.block_policy import AdaptiveBlock
+from dflash_mlx.loop.block_policy import AdaptiveBlock, shared_hits
 from dflash_mlx.loop.cost_curve import CostCurve
 
 CURVE = CostCurve((1, 2, 4, 8, 16), (1.1, 1.2, 1.4, 1.8, 2.6), (0.0, 0.4, 0.5, 0.7, 1.1))
@@ -49,20 +49,29 @@ def test_wide_batches_fall_back_to_plain_steps_where_drafting_does_not_pay():
     assert all(rate(1) >= rate(b) for b in range(2, 17))
 
 
-def test_a_probe_counts_once_however_many_rows_verify_it():
+def test_a_probe_is_drafted_beside_plain_steps_and_its_rows_make_one_outcome():
     policy = BatchBlock(CURVE, BatchCosts(SIZES, ((1.0,) * 5,) * 4), 16)
     policy.block.acceptance = [0.0] * 15  # nothing pays: plain steps, then a probe falls due
     policy.block.learned = True
     rows = [Row()] * 4
     for _ in range(200):
-        b = policy.choose(rows)
-        if policy.probing:
+        assert policy.choose(rows) == 1
+        due = policy.probe()
+        if due:
             break
-        policy.update(rows, b, [0] * 4)
-    assert policy.probing and b > 1, "a probe must fall due"
-    policy.update(rows, b, [0, 1, 0, 0])
+        policy.update(rows, 1, [0] * 4)
+    assert due > 1, "a probe must fall due"
+    policy.probed(due, [[0.0], [1.0, 0.0], [0.0], [0.0]])
     assert policy.block.failed_probes == 1
     assert policy.block.acceptance[0] > 0  # one row in four accepted its first draft
+
+
+def test_a_verified_probe_counts_once_however_many_rows_verify_it():
+    policy = AdaptiveBlock(CURVE, 16)
+    policy.verifying_probe = True
+    policy.update_rows(8, [0, 3, 0, 1])
+    assert policy.failed_probes == 1
+    assert shared_hits([[0.0], [1.0, 1.0, 1.0, 0.0], [0.0], [1.0, 0.0]]) == [0.5, 0.5, 1.0, 0.0]
 
 
 def test_fixed_rows_answers_its_block():

@@ -24,7 +24,7 @@ import mlx.core as mx
 from ..draft import DFlash2Draft, DFlashDraft, DraftContextCache, SubsetHead
 from ..targets import RowKVCache, Target
 from .batch_policy import FixedRows
-from .decoder import NON_FINITE, ContextCache, Proposer, SpeculativeDecoder, proposer_for, sound_logits
+from .decoder import NON_FINITE, ContextCache, Probe, Proposer, SpeculativeDecoder, proposer_for, sound_logits
 from .sampling import BlockSampler
 from .verify import greedy_verify
 
@@ -42,6 +42,7 @@ class Row:
     keep_logprobs: bool = False
     logprobs: Optional[mx.array] = None  # [n, V] at the last cycle's n tokens (keep_logprobs)
     tag: Any = None  # the caller's
+    probe: Optional[Probe] = None  # drafted beside a plain step, judged against the row's next tokens
 
     def tokens_left(self) -> Optional[int]:
         return None if self.max_tokens is None else self.max_tokens - self.emitted
@@ -145,6 +146,8 @@ class BatchDecoder:
         self.cache: list = []  # the target's, one row per request
         self.unobserved: list[mx.array] = []  # plain steps' features [B, 1, k*H], not yet injected
         self.block_size = 1  # the last cycle's
+        self.probe_block = 0  # the block of the probe the rows are judging (0: none)
+        self.probe_hits: list[list[float]] = []  # the hits of the rows whose probe is judged
 
     # --- rows joining and leaving -------------------------------------------------
 
@@ -176,10 +179,12 @@ class BatchDecoder:
         token it fed (``row.tokens``)."""
         r = self.rows.index(row)
         self.catch_up()
+        row.probe = None
         target = [c.extract(r) for c in self.cache]
         kept = [i for i in range(len(self.rows)) if i != r]
         draft = self.drafter.leave(r, kept)
         self.rows.pop(r)
+        self._probe_judged()
         if not kept:
             self.cache = []
         index = mx.array(kept, dtype=mx.int32)
@@ -216,7 +221,39 @@ class BatchDecoder:
     def _keep(self, row: Row, logits: mx.array) -> None:
         row.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if row.keep_logprobs else None
 
+    def _start_probe(self, ys: mx.array) -> None:
+        """Draft every row's block of a probe the policy has due (one at a time)."""
+        due = self.policy.probe() if hasattr(self.policy, "probe") else 0
+        if due < 2 or self.probe_block:
+            return
+        self.catch_up()
+        for row, draft in zip(self.rows, self.drafter.propose(ys, due, self.rows)):
+            row.probe = Probe(*draft)
+            mx.async_eval(row.probe.drafted, row.probe.finite)
+        self.probe_block = due
+
+    def _judge_probe(self, row: Row, logits: mx.array) -> None:
+        hits = row.probe.judge(row.pending, logits, row.sampler)
+        if hits is not None:
+            row.probe = None
+            self.probe_hits.append(hits)
+            self._probe_judged()
+
+    def _probe_judged(self) -> None:
+        """Once no row's probe waits for tokens: the rows' hits to the policy, as one outcome."""
+        if self.probe_block and all(row.probe is None for row in self.rows):
+            if self.probe_hits:
+                self.policy.probed(self.probe_block, self.probe_hits)
+            self.probe_block, self.probe_hits = 0, []
+
+    def _drop_probe(self) -> None:
+        """Speculating again: verification measures acceptance; the probe is dropped."""
+        for row in self.rows:
+            row.probe = None
+        self.probe_block, self.probe_hits = 0, []
+
     def _plain(self, ys: mx.array) -> list[RowCycle]:
+        self._start_probe(ys)
         out = self.target.forward(ys[:, None], self.cache, self.layer_ids)
         self.unobserved.append(out.features)
         logits = self.target.logits(out.hidden[:, -1])  # [B, V]
@@ -240,10 +277,13 @@ class BatchDecoder:
             row.pending = own[i].item() if i in own else tokens[i]
             row.emitted += 1
             self._keep(row, row_logits)
+            if row.probe is not None:
+                self._judge_probe(row, row_logits)
             cycles.append(RowCycle(row, [row.pending], 0))
         return cycles
 
     def _speculate(self, ys: mx.array, b: int) -> list[RowCycle]:
+        self._drop_probe()
         self.catch_up()
         drafts = self.drafter.propose(ys, b, self.rows)
         block = mx.concatenate([ys[:, None], mx.stack([d for d, _, _ in drafts])], axis=1)  # [B, b]

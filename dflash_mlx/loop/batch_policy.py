@@ -9,8 +9,7 @@ pair's cost curve (one row) times the batch's measured width factor
 As rows are added a speculative cycle costs more per row only as far as the
 passes stop being bound by reading the weights, so drafting pays less at
 larger widths and the policy falls back to plain batched steps (b = 1) where
-it does not pay. With one row it is ``AdaptiveBlock`` on the same curve,
-except that a probe is verified instead of drafted beside a plain step.
+it does not pay. With one row it is ``AdaptiveBlock`` on the same curve.
 """
 
 import time
@@ -21,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from . import cost_curve as costs
-from .block_policy import AdaptiveBlock
+from .block_policy import AdaptiveBlock, shared_hits
 from ..targets import RowKVCache
 
 WIDTHS = (1, 2, 4, 8)  # batch widths timed; wider batches use the widest factor
@@ -94,38 +93,32 @@ class FixedRows:
 
 class BatchBlock:
     """``AdaptiveBlock`` for a batch: one acceptance curve learned from every
-    row, cycles priced per row at the batch's width."""
+    row, cycles priced per row at the batch's width. A probe is drafted for
+    every row beside a plain batched step and judged per row against the
+    row's own next tokens, as a request alone judges it; the rows' hits make
+    one outcome."""
 
     def __init__(self, curve, batch: BatchCosts, max_block: int):
         self.costs = WidthCosts(curve, batch)
         self.block = AdaptiveBlock(self.costs, max_block)
-        self.probing = False  # the block chosen last is a probe: its outcomes count as one
 
     def choose(self, rows: list) -> int:
         if len(rows) != self.costs.width:
             self.costs.width = len(rows)
             self.block.reprice()
         left = [r.tokens_left() for r in rows]
-        b = self.block.choose(max(len(r.tokens) for r in rows), None if None in left else max(left))
-        self.probing = False
-        if b == 1:
-            due = self.block.probe()  # drafted beside a plain step alone, it is verified in a batch
-            if due > 1:
-                b, self.probing = due, True
-        return b
+        return self.block.choose(max(len(r.tokens) for r in rows), None if None in left else max(left))
+
+    def probe(self) -> int:
+        """After ``choose`` answered 1: the block of a probe to draft beside this plain step, or 0."""
+        return self.block.probe()
+
+    def probed(self, block_size: int, rows: list[list[float]]) -> None:
+        """A probe's outcome: each row's hits (``Probe.judge``)."""
+        self.block.probed(block_size, shared_hits(rows))
 
     def update(self, rows: list, block_size: int, accepted: list[int]) -> None:
-        if not self.probing:
-            for a in accepted:  # each row's cycle is one outcome
-                self.block.update(block_size, a)
-            return
-        hits = []  # a probe is one outcome: per position, the share of the rows reaching it that accepted it
-        for i in range(block_size - 1):
-            reached = [a for a in accepted if a >= i]
-            if not reached:
-                break
-            hits.append(sum(a > i for a in reached) / len(reached))
-        self.block.probed(block_size, hits)
+        self.block.update_rows(block_size, accepted)
 
 
 def measure(target, draft, sizes: tuple[int, ...]) -> BatchCosts:

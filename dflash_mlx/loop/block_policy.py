@@ -278,6 +278,20 @@ class AdaptiveBlock:
         else:
             self._learn(hits, self.rate)
 
+    def update_rows(self, block_size: int, accepted: list[int]) -> None:
+        """A batch cycle's outcomes, one per row (``loop/batch.py``): each
+        learned as a cycle of its own, except that a verified probe counts
+        once, its hits the rows' shares (``shared_hits``)."""
+        if not self.verifying_probe:
+            for a in accepted:
+                self.update(block_size, a)
+            return
+        if self.watch:
+            self.watch.cycle_done(block_size, self.context)
+        if any((a + 1) * self.cycle_seconds(1) >= self.cycle_seconds(block_size) for a in accepted):
+            self.paid = True
+        self.probed(block_size, shared_hits([([1.0] * a + [0.0])[: block_size - 1] for a in accepted]))
+
     def probed(self, block_size: int, hits: list[float]) -> None:
         """A probe's outcome at ``block_size``: for each draft position it
         reached, in order, the probability that verifying would have accepted
@@ -290,3 +304,14 @@ class AdaptiveBlock:
         self.learned = self.learned or bool(hits)
         for i, hit in enumerate(hits[: self.max_block - 1]):
             self.acceptance[i] += rate * (hit - self.acceptance[i])
+
+
+def shared_hits(rows: list[list[float]]) -> list[float]:
+    """One outcome from several rows' hits (per draft position each row
+    reached, the probability it was accepted there): per position, the mean
+    over the rows that reached it."""
+    hits = []
+    for i in range(max(map(len, rows), default=0)):
+        reached = [row[i] for row in rows if len(row) > i]
+        hits.append(sum(reached) / len(reached))
+    return hits
