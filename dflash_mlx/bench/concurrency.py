@@ -267,9 +267,13 @@ def _identity(requests: list[dict], key: str) -> dict:
 def _side(runs: list[dict]) -> dict:
     requests = [q for r in runs for q in r["requests"]]
     wall, generated = sum(r["wall_s"] for r in runs), sum(r["generated"] for r in runs)
+    started = [max(q["first_s"] for q in r["requests"]) for r in runs]  # every request has its first token
+    after = [(r["generated"] - len(r["requests"])) / (r["wall_s"] - s) for r, s in zip(runs, started)
+             if r["wall_s"] > s]
     return {"waves": len(runs), "requests": len(requests), "generated": generated, "wall_s": wall,
             "tps": stats(r["tps"] for r in runs), "tps_total": generated / wall if wall > 0 else None,
             "latency_s": stats(q["done_s"] for q in requests), "ttft_s": stats(q["first_s"] for q in requests),
+            "all_started_s": stats(started), "decode_tps": stats(after),
             "peak_memory_gb": max(r["peak_memory_gb"] for r in runs)}
 
 
@@ -376,6 +380,15 @@ def render(report: dict, console) -> None:
                   pair(med(ttft[0]), med(ttft[1]), "{:.0f}"), _f(ours["tau"], "{:.2f}"),
                   f"{drafted}/{ours['cycles']}", pair(theirs["peak_memory_gb"] * 1e3, ours["peak_memory_gb"] * 1e3, "{:.0f}"),
                   same(ours["vs_mlx_lm"]), same(ours["vs_solo"]))
+    console.print(t)
+    t = Table(title="prefill, then decoding (medians over waves)")
+    for col in ("N", "every first token ms, mlx-lm / DFlash", "decode tok/s after it, mlx-lm / DFlash"):
+        t.add_column(col, justify="right")
+    for key, entry in report["summary"].items():
+        theirs, ours = entry[MLX_LM], entry[DFLASH]
+        started = [s and s["median"] * 1e3 for s in (theirs.get("all_started_s"), ours.get("all_started_s"))]
+        t.add_row(key, pair(*started, "{:.0f}"), pair(med(theirs.get("decode_tps")), med(ours.get("decode_tps")),
+                                                       "{:.0f}"))
     console.print(t)
     for key, entry in report["summary"].items():
         blocks = " ".join(f"{b}x{n}" for b, n in entry[DFLASH]["block_histogram"].items())
