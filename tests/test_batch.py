@@ -336,12 +336,13 @@ def test_a_probe_is_judged_per_row_against_its_own_plain_steps(loaded):
     oracle.plan = {0: 3, 1: 1, 2: 0}  # row 0's probe drafts are all right, row 1's first, row 2's none
     policy = ProbeOnce(4)
     decoder = BatchDecoder(target, draft, policy, drafter=oracle)
-    rows = [decoder.add(mx.array(p), BlockSampler(SamplingParams()), tag=i)[0] for i, p in enumerate(prompts)]
+    emitted = {i: [decoder.add(mx.array(p), BlockSampler(SamplingParams()), tag=i)[1]] for i, p in enumerate(prompts)}
     for _ in range(5):
-        decoder.cycle()
+        for cycle in decoder.cycle():
+            emitted[cycle.row.tag] += cycle.tokens
     assert policy.outcomes == [(4, [[0.0], [1.0, 0.0], [1.0, 1.0, 1.0]])]
-    for row in rows:  # the probe changed no output: plain steps are the target's own
-        assert row.tokens + [row.pending] == continuations[row.tag][: len(row.tokens) + 1]
+    for i, tokens in emitted.items():  # the probe changed no output: plain steps are the target's own
+        assert len(tokens) == 6 and tokens == continuations[i][len(prompts[i]) :][:6]
 
 
 def test_a_row_leaving_mid_probe_leaves_the_others_outcome(loaded):
@@ -359,3 +360,27 @@ def test_a_row_leaving_mid_probe_leaves_the_others_outcome(loaded):
     for _ in range(3):
         decoder.cycle()
     assert policy.outcomes == [(4, [[1.0, 1.0, 0.0]])]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_plain_steps_queued_ahead_survive_rows_joining_and_leaving(loaded, family):
+    """Plain batched steps are queued before the caller reads the last one;
+    rows that join or leave meanwhile change no row's tokens, and a row that
+    leaves with a step in flight takes caches that continue exactly."""
+    model, tokenizer, draft = loaded[family]
+    results = batch_generate(model, draft, tokenizer, PROMPTS, max_tokens=LIMITS, block_size=1, max_concurrency=2)
+    for prompt, limit, result in zip(PROMPTS, LIMITS, results):
+        ids = tokenizer.encode(prompt)
+        want = greedy_reference(model, ids, limit)
+        eos = tokenizer.eos_token_id
+        assert_same_or_near_tie(model, ids, result.tokens, want[: want.index(eos)] if eos in want else want)
+    target = Target(model)
+    decoder = BatchDecoder(target, draft, 1)
+    rows = [decoder.add(mx.array(tokenizer.encode(p)), BlockSampler(SamplingParams()))[0] for p in PROMPTS[:3]]
+    for _ in range(4):
+        decoder.cycle()
+    assert decoder.queued is not None, "a plain step must be in flight for this to bite"
+    context = decoder.remove(rows[1])
+    prompt = context.tokens + [7]
+    more = generate(model, draft, tokenizer, prompt, max_tokens=10, block_size=4, context=context)
+    assert more.tokens == generate(model, draft, tokenizer, prompt, max_tokens=10, block_size=4).tokens

@@ -29,9 +29,9 @@ from .sampling import BlockSampler
 from .verify import greedy_verify
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
-    """One request of the batch."""
+    """One request of the batch (compared by identity)."""
 
     sampler: BlockSampler
     tokens: list[int]  # ids the row's caches hold
@@ -53,6 +53,17 @@ class Row:
 
     def history(self, block: mx.array) -> mx.array:
         return mx.concatenate([mx.array(self.recent, dtype=mx.int32), block])
+
+
+@dataclass
+class QueuedStep:
+    """A plain batched step in flight: the rows it fed, each row's next token
+    (argmax-only rows' in ``chosen``, others' in ``own``) and processed logits."""
+
+    rows: list
+    chosen: mx.array  # [B]
+    own: dict  # id(row) -> token [1]
+    processed: dict  # id(row) -> logits [1, V]
 
 
 @dataclass
@@ -146,6 +157,8 @@ class BatchDecoder:
         self.cache: list = []  # the target's, one row per request
         self.unobserved: list[mx.array] = []  # plain steps' features [B, 1, k*H], not yet injected
         self.block_size = 1  # the last cycle's
+        self.next_block: Optional[int] = None  # chosen at the end of the last cycle
+        self.queued: Optional[QueuedStep] = None  # a plain step in flight
         self.probe_block = 0  # the block of the probe the rows are judging (0: none)
         self.probe_hits: list[list[float]] = []  # the hits of the rows whose probe is judged
 
@@ -209,13 +222,31 @@ class BatchDecoder:
         return max(1, b)
 
     def cycle(self) -> list[RowCycle]:
-        """One cycle for every row: a plain batched step (b = 1) or draft + verify."""
-        if not self.rows:
+        """One cycle: a plain batched step (b = 1) or draft + verify, for every
+        row; a plain step queued by the last cycle is this one, for its rows
+        still in the batch (a row that joined since takes part from the next).
+
+        A cycle that ends with a plain step next queues it before returning,
+        as mlx-lm's own decoding does, so it runs while the caller handles
+        this cycle's tokens; each row's caches and ``tokens`` then already
+        hold its pending token (a row removed before that step is read keeps
+        it: its ``ContextCache`` holds what was fed)."""
+        if self.queued is not None:
+            self.block_size = 1
+            cycles = self._finish_plain()
+        elif self.rows:
+            b = self.block_size = self.next_block or self.choose_block()
+            ys = mx.array([r.pending for r in self.rows], dtype=mx.int32)
+            if b == 1:
+                self._queue_plain(ys)
+                cycles = self._finish_plain()
+            else:
+                cycles = self._speculate(ys, b)
+        else:
             return []
-        b = self.block_size = self.choose_block()
-        ys = mx.array([r.pending for r in self.rows], dtype=mx.int32)
-        cycles = self._plain(ys) if b == 1 else self._speculate(ys, b)
-        self.policy.update(self.rows, b, [c.accepted for c in cycles])
+        self.next_block = self.choose_block() if self.rows else None
+        if self.next_block == 1 and all(r.tokens_left() != 0 for r in self.rows):  # no row is surely leaving
+            self._queue_plain(mx.array([r.pending for r in self.rows], dtype=mx.int32))
         return cycles
 
     def _keep(self, row: Row, logits: mx.array) -> None:
@@ -252,34 +283,45 @@ class BatchDecoder:
             row.probe = None
         self.probe_block, self.probe_hits = 0, []
 
-    def _plain(self, ys: mx.array) -> list[RowCycle]:
+    def _queue_plain(self, ys: mx.array) -> None:
+        """Feed every row's pending token (ys [B]) and start choosing the next,
+        without waiting for it; ``_finish_plain`` reads it."""
         self._start_probe(ys)
         out = self.target.forward(ys[:, None], self.cache, self.layer_ids)
         self.unobserved.append(out.features)
         logits = self.target.logits(out.hidden[:, -1])  # [B, V]
         chosen = mx.argmax(logits, axis=-1).astype(mx.int32)  # every argmax-only row's token, at once
-        own, processed = {}, []
+        own, processed = {}, {}
         for i, row in enumerate(self.rows):
             row_logits = logits[i : i + 1]
             if not row.sampler.argmax_only:
                 if row.sampler.sees_history:
                     row_logits = row.sampler.process(row_logits, row.history(ys[i : i + 1]))
-                own[i] = row.sampler.next_token(row_logits)
-                row.sampler.commit(own[i])
-            processed.append(row_logits)
-        mx.eval(chosen, list(own.values()))
-        tokens = chosen.tolist()
-        cycles = []
-        for i, (row, row_logits) in enumerate(zip(self.rows, processed)):
-            y = row.pending
-            row.tokens.append(y)
-            row.remember([y])
-            row.pending = own[i].item() if i in own else tokens[i]
+                own[id(row)] = row.sampler.next_token(row_logits)
+                row.sampler.commit(own[id(row)])
+            processed[id(row)] = row_logits
+            row.tokens.append(row.pending)
+            row.remember([row.pending])
+        mx.async_eval(chosen, list(own.values()))
+        self.queued = QueuedStep(list(self.rows), chosen, own, processed)
+
+    def _finish_plain(self) -> list[RowCycle]:
+        """The queued plain step's tokens, for its rows still in the batch."""
+        step, self.queued = self.queued, None
+        mx.eval(step.chosen, list(step.own.values()))
+        tokens = step.chosen.tolist()
+        cycles, present = [], set(self.rows)
+        for row, token in zip(step.rows, tokens):
+            if row not in present:  # removed since: what it fed is in its caches already
+                continue
+            key = id(row)
+            row.pending = step.own[key].item() if key in step.own else token
             row.emitted += 1
-            self._keep(row, row_logits)
+            self._keep(row, step.processed[key])
             if row.probe is not None:
-                self._judge_probe(row, row_logits)
+                self._judge_probe(row, step.processed[key])
             cycles.append(RowCycle(row, [row.pending], 0))
+        self.policy.update([c.row for c in cycles], 1, [0] * len(cycles))
         return cycles
 
     def _speculate(self, ys: mx.array, b: int) -> list[RowCycle]:
@@ -322,4 +364,5 @@ class BatchDecoder:
             row.emitted += keep
             self._keep(row, row_logits[:keep])
             cycles.append(RowCycle(row, committed[1:] + [row.pending], a))
+        self.policy.update(self.rows, b, accepted)
         return cycles

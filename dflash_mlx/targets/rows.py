@@ -66,10 +66,10 @@ class RowKVCache:
             n = self.lengths[0]
             self.keys[..., n : n + T, :] = keys
             self.values[..., n : n + T, :] = values
-        else:
-            for r, n in enumerate(self.lengths):
-                self.keys[r : r + 1, :, n : n + T, :] = keys[r : r + 1]
-                self.values[r : r + 1, :, n : n + T, :] = values[r : r + 1]
+        else:  # one scatter per array: row r's T slots from its own length
+            slots = (mx.array(self.lengths, dtype=mx.int32)[:, None] + mx.arange(T, dtype=mx.int32))[:, None, :, None]
+            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
+            self.values = mx.put_along_axis(self.values, mx.broadcast_to(slots, values.shape), values, axis=2)
         self.lengths = [n + T for n in self.lengths]
         return self.keys[..., :end, :], self.values[..., :end, :]
 
