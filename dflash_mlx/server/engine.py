@@ -1,18 +1,25 @@
 """The single-model worker: one thread owns every MLX array and call.
 
-Requests wait in one first-in, first-out queue and decode one at a time, each
-to its end (``--max-tokens-limit`` bounds how long that is), so a request
-never waits behind one that arrived after it. The worker streams events back
-to the request's asyncio loop. A cancelled request (its client went away)
-gives its queue slot back at once and stops at the next verify cycle, which
-leaves the decoder caches consistent for the prefix cache.
+Requests wait in one first-in, first-out queue. Up to ``max_concurrency`` of
+them decode at once as the rows of one batch (``batch.py``): between two
+verify cycles the worker admits queued requests while a row is free (each is
+prefilled alone, from the prefix cache's caches), then runs one cycle for
+every row; a row that ends leaves the batch with its caches, which go to the
+prefix cache. What cannot batch decodes one request at a time, each to its
+end, through ``stream_generate``: a quantized KV cache (``kv``), an engine
+whose generator is not the library's own (``server/distributed.py``) and
+``max_concurrency == 1``. Either way a request never waits behind one that
+arrived after it (``--max-tokens-limit`` bounds how long one takes).
+
+The worker streams events back to the request's asyncio loop. A cancelled
+request (its client went away) gives its slot back at once and stops at the
+next cycle boundary, which leaves its caches consistent for the prefix cache.
 """
 
 import asyncio
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import mlx.core as mx
@@ -22,7 +29,10 @@ from ..errors import DFlashError
 from ..generate import check_pair, stream_generate
 from ..loading import load, load_draft
 from ..targets import Target
-from .logprobs import Picked, picked
+from .batch import Rows
+# a request and its events, which the routes and the distributed engine take from here
+from .jobs import Delta, Event, Failed, Finished, Job, Request, Usage, internal  # noqa: F401
+from .logprobs import picked
 from .prefix_cache import PrefixCache
 from .stops import StopMatcher
 
@@ -36,90 +46,9 @@ class ShuttingDown(Exception):
 
 
 SHUTTING_DOWN = "the server is shutting down; retry once it is back"
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int
-    sampling: dict  # stream_generate's sampling keyword arguments
-    stop: list[str] = field(default_factory=list)
-    logprobs: Optional[int] = None  # each token's log-probability with this many top alternatives; None: none
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose caches were reused, not prefilled
-    completion_tokens: int = 0
-    cycles: int = 0  # verify cycles
-    accepted: int = 0  # drafted tokens the target accepted
-    blocks: dict[int, int] = field(default_factory=dict)  # cycles per block size verified (1: a plain step)
-
-    def to_dict(self) -> dict:
-        """OpenAI's usage, plus how DFlash served it: cycles, tokens per cycle,
-        the block sizes used and whether any cycle drafted (``decoding``)."""
-        tau = (self.accepted + self.cycles) / self.cycles if self.cycles else None
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "cycles": self.cycles,
-            "tokens_per_cycle": tau,
-            "block_sizes": {str(b): n for b, n in sorted(self.blocks.items())},
-            # "plain": every token came from the target alone (b = 1 steps), as without a draft
-            "decoding": "speculative" if any(b > 1 for b in self.blocks) else "plain",
-        }
-
-
-@dataclass
-class Delta:
-    text: str
-    logprobs: list[Picked] = field(default_factory=list)  # its tokens', when the request asked
-
-
-@dataclass
-class Finished:
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    usage: Usage
-    stop_sequence: Optional[str] = None  # the request's stop string that ended it
-
-
-@dataclass
-class Failed:
-    status: int
-    message: str
-    code: Optional[str] = None
-
-
-Event = Union[Delta, Finished, Failed]
-
-
-class Job:
-    """One queued request and the channel its events come back on."""
-
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
-        self.request = request
-        self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.released = False  # its queue slot was given back
-
-    def emit(self, event: Event) -> None:
-        """Hand an event to the request's loop (from the worker thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening
-            pass
-
-    async def stream(self):
-        """Events until the final one (Finished or Failed)."""
-        while True:
-            event = await self.events.get()
-            yield event
-            if not isinstance(event, Delta):
-                return
+# requests decoded at once, as one batch, unless serve is told otherwise (--max-concurrency; its
+# --help and docs/serve.md say the number too)
+DEFAULT_MAX_CONCURRENCY = 8
 
 
 class Engine:
@@ -129,13 +58,18 @@ class Engine:
 
     def __init__(self, model: str, draft: str, block_size: Union[int, str, None] = "auto",
                  max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None,
-                 kv: Optional[dict] = None, draft_dtype: str = "auto"):
+                 kv: Optional[dict] = None, draft_dtype: str = "auto",
+                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY):
+        if max_concurrency < 1:
+            raise DFlashError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.model_id, self.draft_id = model, draft
         self.draft_dtype = draft_dtype  # --draft-dtype: what the draft computes in
         self.kv = kv or {}  # every request's quantized KV cache: stream_generate's kv_bits, ...
         self.block_size = block_size
         self.draft_vocab = draft_vocab  # every request drafts over this many top-ranked ids
         self.max_queue = max_queue
+        self.max_concurrency = max_concurrency  # asked for; ``width`` is what this engine runs
+        self._solo = 0  # 1 while a request decodes alone (width 1)
         self.prefix_cache_bytes = prefix_cache_bytes
         self.started = int(time.time())
         self.stats: dict = {}  # replaced (never mutated) by the worker after each request
@@ -154,6 +88,7 @@ class Engine:
         self._ready = threading.Event()
         self._load_error: Optional[Exception] = None
         self._thread = threading.Thread(target=self._run, name="dflash-mlx-worker", daemon=True)
+        self._rows: Optional[Rows] = None  # the batch (width > 1), set by _load
 
     def start(self) -> None:
         """Start the worker and wait until the pair is loaded (DFlashError if it cannot be)."""
@@ -168,18 +103,37 @@ class Engine:
         self._thread.join(timeout=10)
 
     @property
+    def width(self) -> int:
+        """Requests this engine decodes at once: ``max_concurrency``, or 1
+        where requests cannot batch (a quantized KV cache, or a generator
+        other than the library's own, as the distributed engine's)."""
+        batches = not self.kv and self.generator is stream_generate
+        return self.max_concurrency if batches else 1
+
+    @property
     def active(self) -> int:
-        """Requests admitted and not yet done: the one decoding and those waiting."""
+        """Requests admitted and not yet done: those decoding and those waiting."""
         return self._active
 
+    @property
+    def rows(self) -> int:
+        """Requests decoding now."""
+        return self._solo if self._rows is None else len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        """Requests admitted and not yet taken up by the worker."""
+        with self._lock:
+            return sum(not job.started for job in self._jobs)
+
     def submit(self, request: Request, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a request; QueueFull if ``max_queue`` requests already wait,
-        ShuttingDown once ``shut_down`` was called."""
+        """Queue a request; QueueFull if ``max_queue`` requests already wait
+        beside the ``width`` decoding, ShuttingDown once ``shut_down`` was called."""
         job = Job(request, loop)
         with self._lock:
             if self._closing:
                 raise ShuttingDown(SHUTTING_DOWN)
-            if self._active > self.max_queue:
+            if self._active >= self.width + self.max_queue:
                 raise QueueFull(
                     f"the server is busy: {self.max_queue} requests are already waiting; retry later"
                 )
@@ -190,7 +144,7 @@ class Engine:
 
     def shut_down(self) -> None:
         """Take no new request and end every admitted one now with a 503
-        error; the one decoding stops at its next verify cycle."""
+        error; those decoding stop at their next verify cycle."""
         with self._lock:
             self._closing = True
             jobs = list(self._jobs)
@@ -220,6 +174,9 @@ class Engine:
         for _ in self._stream(encode(self.tokenizer, "hello"), max_tokens=2):
             pass
         self.prefix_cache = self._prefix_cache()
+        if self.width > 1:
+            self._rows = Rows(self.target, self.draft, self.tokenizer, self.block_size, self.draft_vocab,
+                              self.prefix_cache, self._end, self._cancelled)
         self._update_stats()
 
     def _load_target(self) -> tuple[Target, object]:
@@ -266,17 +223,59 @@ class Engine:
             return
         finally:
             self._ready.set()
+        if self.width > 1:
+            self._serve_batch()
+        else:
+            self._serve_alone()
+
+    def _serve_alone(self) -> None:
+        """Each request in turn, to its end."""
         while (job := self._next_job()) is not None:
+            job.started = True
             try:
                 if not job.cancelled.is_set():
+                    self._solo = 1
                     self._generate(job)
             except DFlashError as e:
                 job.emit(Failed(400, str(e)))
             except Exception as e:  # keep serving; the caches of this request are dropped
-                job.emit(Failed(500, f"internal error: {type(e).__name__}: {e}"))
+                job.emit(internal(e))
             finally:
+                self._solo = 0
                 self._release(job)
                 self._update_stats()
+
+    def _serve_batch(self) -> None:
+        """Admit queued requests (first in, first out) while a row is free,
+        run one cycle for every row, and again; with no row, wait for a
+        request. Once told to stop, no request joins and the rows decode to
+        their end."""
+        rows, stopping = self._rows, False
+        while True:
+            if not rows:
+                if stopping or (job := self._next_job()) is None:
+                    return
+                job.started = True
+                rows.admit(job)
+            while not stopping and len(rows) < self.width:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                else:
+                    job.started = True
+                    rows.admit(job)
+            if rows:
+                rows.cycle()
+
+    def _end(self, job: Job, event: Optional[Event]) -> None:
+        """A job the batch took is done: its last event, then its slot is free."""
+        if event is not None:
+            job.emit(event)
+        self._release(job)
+        self._update_stats()
 
     def _generate(self, job: Job) -> None:
         request = job.request
