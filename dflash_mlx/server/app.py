@@ -165,7 +165,9 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        # active: requests admitted and not done; rows of them decoding now, waiting for a row
         return {"status": "ok", "model": settings.model_name, "pair": pair, "active": engine.active,
+                "rows": engine.rows, "waiting": engine.waiting, "max_concurrency": engine.width,
                 "max_queue": engine.max_queue, **engine.stats}
 
     @app.get("/v1/models")

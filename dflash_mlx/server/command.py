@@ -19,7 +19,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache_gb: float,
                   block_size: Union[int, str, None], draft_vocab: Optional[int] = None,
-                  api_key: Optional[str] = None, kv: Optional[dict] = None, draft_dtype: str = "auto") -> None:
+                  api_key: Optional[str] = None, kv: Optional[dict] = None, draft_dtype: str = "auto",
+                  max_concurrency: Optional[int] = None) -> None:
     """Raise a one-line DFlashError for an option out of range (``kv``: the
     quantized KV cache's stream_generate arguments)."""
     if not 0 <= port <= 65535:
@@ -28,6 +29,8 @@ def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache
         raise DFlashError(f"--max-tokens-limit must be positive, got {max_tokens_limit}")
     if max_queue < 0:
         raise DFlashError(f"--max-queue must be >= 0, got {max_queue}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise DFlashError(f"--max-concurrency must be >= 1, got {max_concurrency}")
     if not (math.isfinite(prefix_cache_gb) and prefix_cache_gb >= 0):
         raise DFlashError(f"--prefix-cache-gb must be a finite number >= 0, got {prefix_cache_gb}")
     if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
@@ -43,11 +46,14 @@ def check_options(port: int, max_tokens_limit: int, max_queue: int, prefix_cache
 def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_tokens_limit: int,
          api_key: Optional[str], max_queue: int, prefix_cache_gb: float, block_size: str,
          draft_vocab: Optional[int] = None, distributed: Optional[str] = None, kv_bits: Optional[int] = None,
-         kv_group_size: int = 64, quantized_kv_start: int = 5000, draft_dtype: str = "auto") -> None:
+         kv_group_size: int = 64, quantized_kv_start: int = 5000, draft_dtype: str = "auto",
+         max_concurrency: Optional[int] = None) -> None:
     """``dflash-mlx serve``: resolve the pair (the demo pair without --model)
     and serve it; progress goes to stderr. ``distributed``: the target is
-    sharded over the ranks mlx.launch started; rank 0 serves, the others follow.
-    ``kv_bits``: every request runs with a quantized KV cache; ``draft_dtype``: ``--draft-dtype``."""
+    sharded over the ranks mlx.launch started; rank 0 serves, the others follow
+    (one request at a time). ``kv_bits``: every request runs with a quantized
+    KV cache (one at a time); ``draft_dtype``: ``--draft-dtype``;
+    ``max_concurrency``: requests decoded at once (None: ``DEFAULT_MAX_CONCURRENCY``)."""
     from ..distributed import session, talks
 
     kv = kv_options(kv_bits, kv_group_size, quantized_kv_start)
@@ -57,25 +63,27 @@ def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_t
     with session(distributed) as launch:
         if launch is not None and not talks(launch.group):
             check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block, draft_vocab, api_key,
-                          draft_dtype=draft_dtype)
+                          draft_dtype=draft_dtype, max_concurrency=max_concurrency)
             # a terminal's Ctrl-C reaches every rank: a follower ends when rank 0, shutting down, says so
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             make_engine(pair, block, max_queue, prefix_cache_gb, draft_vocab, launch, draft_dtype=draft_dtype).follow()
             return
         serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb, block, draft_vocab, launch,
-              kv, draft_dtype)
+              kv, draft_dtype, max_concurrency)
 
 
 def make_engine(pair: Pair, block_size: Union[int, str, None], max_queue: int, prefix_cache_gb: float,
-                draft_vocab: Optional[int], launch=None, kv: Optional[dict] = None, draft_dtype: str = "auto"):
-    """The engine of ``pair``; on a rank of ``launch`` (``distributed.Launch``), the group's;
-    ``kv``: the quantized KV cache's stream_generate arguments (not distributed)."""
+                draft_vocab: Optional[int], launch=None, kv: Optional[dict] = None, draft_dtype: str = "auto",
+                max_concurrency: Optional[int] = None):
+    """The engine of ``pair``; on a rank of ``launch`` (``distributed.Launch``), the group's,
+    which decodes one request at a time; ``kv``: the quantized KV cache's stream_generate
+    arguments (not distributed); ``max_concurrency``: requests decoded at once (None: the default)."""
     from .distributed import GroupEngine
-    from .engine import Engine
+    from .engine import DEFAULT_MAX_CONCURRENCY, Engine
 
     args = (pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9), draft_vocab)
     if launch is None:
-        return Engine(*args, kv=kv, draft_dtype=draft_dtype)
+        return Engine(*args, kv=kv, draft_dtype=draft_dtype, max_concurrency=max_concurrency or DEFAULT_MAX_CONCURRENCY)
     return GroupEngine(launch, *args, draft_dtype=draft_dtype)
 
 
@@ -121,31 +129,35 @@ class Server(uvicorn.Server):
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limit: int = 4096,
           api_key: Optional[str] = None, max_queue: int = 32, prefix_cache_gb: float = 2.0,
           block_size: Union[int, str, None] = "auto", draft_vocab: Optional[int] = None, launch=None,
-          kv: Optional[dict] = None, draft_dtype: str = "auto") -> None:
+          kv: Optional[dict] = None, draft_dtype: str = "auto", max_concurrency: Optional[int] = None) -> None:
     """Check the options and the address, load ``pair`` on the worker thread,
     then serve it until SIGINT or SIGTERM (DFlashError for a bad option, an
     address it cannot listen on or a bad pair). On the signal it stops
     accepting, ends every request still in flight with a 503 error and returns.
     ``launch``: rank 0 of a distributed launch, whose other ranks follow;
     ``kv``: every request quantizes its KV cache with these stream_generate arguments;
-    ``draft_dtype``: what the draft computes in (``--draft-dtype``)."""
+    ``draft_dtype``: what the draft computes in (``--draft-dtype``); ``max_concurrency``: requests
+    decoded at once, as the rows of one batch (None: ``DEFAULT_MAX_CONCURRENCY``)."""
     from .app import Settings, create_app
 
-    check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size, draft_vocab, api_key, kv, draft_dtype)
+    check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size, draft_vocab, api_key, kv, draft_dtype,
+                  max_concurrency)
     sock = bind(host, port)
     try:
         if pair.demo:
             _log("no --model given: serving the bundled demo pair (offline); pass --model for a real model")
         if host not in LOOPBACK and api_key is None:
             _log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
-        engine = make_engine(pair, block_size, max_queue, prefix_cache_gb, draft_vocab, launch, kv, draft_dtype)
+        engine = make_engine(pair, block_size, max_queue, prefix_cache_gb, draft_vocab, launch, kv, draft_dtype,
+                             max_concurrency)
         _log(f"loading {pair.target} with draft {pair.draft}")
         engine.start()
         name = "dflash-mlx-demo" if pair.demo else pair.target
         app = create_app(engine, Settings(name, max_tokens_limit, api_key, pair.enable_thinking))
         port = sock.getsockname()[1]  # the one the system chose for --port 0
-        _log(f"serving '{name}' at http://{host}:{port}/v1 (one request decodes at a time; "
-             f"up to {max_queue} wait)")
+        width = engine.width
+        at_once = "one request decodes at a time" if width == 1 else f"up to {width} requests decode at once"
+        _log(f"serving '{name}' at http://{host}:{port}/v1 ({at_once}; up to {max_queue} more wait)")
         config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
         # uvicorn raises the signal it shut down on again once it returns, for
         # the handler that was there before it; the shutdown is done by then
