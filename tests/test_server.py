@@ -70,7 +70,8 @@ def pair_dirs(target_dirs, draft_dir):
 def server(pair_dirs, tmp_path_factory):
     target, draft = pair_dirs
     with running_server(tmp_path_factory.mktemp("server"), target, draft, "--api-key", KEY,
-                        "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-queue", "1") as (url, _):
+                        "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-queue", "1",
+                        "--max-concurrency", "2") as (url, _):
         yield url
 
 
@@ -277,16 +278,18 @@ def test_every_route_needs_the_api_key(server, key):
 
 
 def test_a_full_queue_answers_429_and_a_disconnect_frees_its_slot_at_once(server):
-    """--max-queue 1: one request decodes, one waits, the next is refused; the
-    two clients hang up and their slots are free again."""
+    """--max-concurrency 2, --max-queue 1: two requests decode, one waits, the
+    next is refused; the clients hang up and their slots are free again."""
     long = {"prompt": "the quick brown fox", "max_tokens": MAX_TOKENS_LIMIT, "stream": True}
     with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-        with http.stream("POST", "/v1/completions", json=long) as decoding:
-            lines = decoding.iter_lines()  # kept: dropping the iterator closes the connection
-            next(lines)  # it is decoding now
+        with http.stream("POST", "/v1/completions", json=long) as first, \
+                http.stream("POST", "/v1/completions", json=long) as second:
+            lines = [first.iter_lines(), second.iter_lines()]  # kept: dropping one closes its connection
+            for stream in lines:
+                next(stream)  # both are decoding now
             with http.stream("POST", "/v1/completions", json=long) as waiting:
                 assert waiting.status_code == 200
-                assert http.get("/health").json()["active"] == 2
+                assert http.get("/health").json()["active"] == 3
                 refused = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
                 assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
         deadline = time.monotonic() + 10

@@ -1,6 +1,7 @@
 """dflash-mlx serve under load: concurrent clients on 127.0.0.1, some hanging
-up mid-stream; every completed response must equal the single-client output
-of the same request, nothing may hang, and the queue must drain to empty.
+up mid-stream, decoded as rows of one batch; every completed greedy response
+must equal the single-client output of the same request, nothing may hang,
+and the queue must drain to empty.
 Bounded in requests and time; it stops by itself."""
 
 import json
@@ -87,8 +88,12 @@ def run_load(url: str, clients: int, rounds: int) -> dict:
     assert not errors, errors
     completed = [(i, got) for i, got in results if got is not None]
     assert len(results) == clients * rounds and completed
-    mismatched = [(i, got, want[i]) for i, got in completed if got != want[i]]
+    # greedy replies are the single client's token for token; a seeded sampled one is distributed
+    # as the target's (tests/test_batch_sampling.py), but its draws follow the batch's blocks
+    greedy = {i for i, (_, body) in enumerate(todo) if not body.get("temperature")}
+    mismatched = [(i, got, want[i]) for i, got in completed if i in greedy and got != want[i]]
     assert not mismatched, mismatched[:3]
+    assert all(got for i, got in completed if i not in greedy)
     return {"requests": len(results), "completed": len(completed),
             "hung_up": len(results) - len(completed), "wall_s": wall}
 

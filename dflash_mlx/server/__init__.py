@@ -3,7 +3,9 @@
 ``command`` loads the pair and runs uvicorn; ``app`` holds the routes,
 ``anthropic`` Anthropic's Messages API over the same machinery,
 ``schemas`` the request bodies, ``prompts`` turns them into token ids,
-``engine`` runs requests one at a time on the MLX worker thread, ``stops``
+``jobs`` the queued requests and their events, ``engine`` runs them on the
+MLX worker thread (up to ``--max-concurrency`` at once as the rows of one
+batch, ``batch``; one at a time where they cannot batch), ``stops``
 cuts the text at stop strings, ``parts`` splits a chat reply into answer,
 reasoning and tool calls and ``prefix_cache`` reuses the caches of
 earlier requests whose prompts the new one extends.
