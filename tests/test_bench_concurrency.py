@@ -8,7 +8,8 @@ import pytest
 from cli_run import cli, one_error_line
 from typer.testing import CliRunner
 
-from dflash_mlx.bench.concurrency import DFLASH, MLX_LM, SCHEMA, validate_report, waves
+from dflash_mlx.bench.concurrency import waves
+from dflash_mlx.bench.concurrency_report import DFLASH, MLX_LM, SCHEMA, validate_report
 from dflash_mlx.cli import app
 
 PROMPTS = [
@@ -98,19 +99,20 @@ def test_options_that_do_not_apply_are_refused():
 # ---------------------------------------------------------------- the cost model with a batch dimension
 
 def test_a_batch_reads_the_weights_once_and_pays_every_rows_flops():
+    from dflash_mlx.bench import batch_cost as bc
     from dflash_mlx.bench import cost_model as cm
     from dflash_mlx.bench.chips import find_chips
     from dflash_mlx.bench.presets import PRESETS
 
     target_cfg, draft_cfg, _, tau = PRESETS["qwen3.5-9b"]
     tp, dp = cm.target_profile(target_cfg), cm.draft_profile(draft_cfg)
-    one, four = cm.batch_forward(tp, 1, 16, 1024, 16), cm.batch_forward(tp, 4, 16, 1024, 16)
+    one, four = bc.batch_forward(tp, 1, 16, 1024, 16), bc.batch_forward(tp, 4, 16, 1024, 16)
     assert one.bytes == pytest.approx(tp.forward(16, 1024, 16).bytes) and one.flops == tp.forward(16, 1024, 16).flops
     own = one.bytes - tp.dense_bytes - tp.head_bytes
     assert four.bytes == pytest.approx(tp.dense_bytes + tp.head_bytes + 4 * own) and four.flops == 4 * one.flops
     chip = find_chips(["M5 Max"])[0]
     alone = cm.predict(tp, dp, chip, tau, 16)
-    batch = [cm.predict_batch(tp, dp, chip, tau, 16, n) for n in (1, 2, 4, 8, 16)]
+    batch = [bc.predict_batch(tp, dp, chip, tau, 16, n) for n in (1, 2, 4, 8, 16)]
     assert batch[0].speedup == pytest.approx(alone.speedup)
     assert batch[0].ar_tps == pytest.approx(alone.ar_tps) and batch[0].dflash_tps == pytest.approx(alone.dflash_tps)
     # plain steps stay on the weights while the verify pass turns compute-bound: the speedup falls with N

@@ -16,6 +16,8 @@ configuration (``report``); ``render`` prints and plots it.
 FLOPs on the ``chips`` (a tree's verify over its B+1 positions), for a local
 pair or the ``presets`` (``predict``).
 ``--concurrency N,...`` runs waves of N requests at once, mlx-lm's batched
-decoding beside our batch decoder (``concurrency``).
+decoding beside our batch decoder (``concurrency``; its tables and JSON:
+``concurrency_report``); with ``--predict`` it prices N rows per pass
+(``batch_cost``).
 ``command`` holds the command's argument handling.
 """

@@ -126,7 +126,8 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
                   "--tree-tau": tree_tau is not None}
         given = [flag for flag, value in others.items() if value]
         if given:
-            raise DFlashError(f"--predict --concurrency prices chains of one request per row; leave out {', '.join(given)}")
+            raise DFlashError("--predict --concurrency prices chains of one request per row; "
+                              f"leave out {', '.join(given)}")
         if len(contexts) > 1:
             raise DFlashError("--predict prices one context: give one --context value")
         if json_out:

@@ -9,6 +9,7 @@ from ..draft import DraftConfig
 from ..errors import DFlashError
 from ..registry import read_config, resolve_pair
 from . import cost_model as cm
+from .batch_cost import predict_batch
 from .chips import find_chips
 from .presets import PRESETS
 from .render import console
@@ -226,7 +227,7 @@ def main_predict_batch(*, model: Optional[str], draft: Optional[str], preset: Op
                        dtype: Optional[str], neural: bool, overhead_ms: float, json_out: Optional[str],
                        out=None, err=None) -> dict:
     """``--predict --concurrency``: per chip, width and block, N requests decoded
-    together by plain batched steps or by DFlash cycles (``cost_model.predict_batch``);
+    together by plain batched steps or by DFlash cycles (``batch_cost.predict_batch``);
     tau is ``--tau`` at the first block (else the preset's at the draft's
     trained size), extrapolated to the other blocks as for one request."""
     from rich.table import Table
@@ -251,7 +252,7 @@ def main_predict_batch(*, model: Optional[str], draft: Optional[str], preset: Op
         for n in widths:
             for b in sizes:
                 t = t0 if b == b0 else min(cm.tau_at(b, t0, b0, None), b)
-                rows.append(cm.predict_batch(tp, dp, chip, t, b, n, context, overhead_ms, neural).to_dict())
+                rows.append(predict_batch(tp, dp, chip, t, b, n, context, overhead_ms, neural).to_dict())
     table = Table(title=f"{names[0]}: N requests decoded together at {context} tokens of context each, "
                         f"aggregate tok/s" + (" (M5 at the claimed Neural Accelerator rate)" if neural else ""))
     for col in ("chip", "N", "arm", "tau", "mlx-lm tok/s", "DFlash tok/s", "speedup", "no-overlap",
