@@ -88,16 +88,16 @@ def batch_generate(
                 i = waiting.pop(0)
                 row, first = decoder.add(ids[i], samplers[i], limits[i], tag=i)
                 if emit(i, [first]):
-                    decoder.remove(row)
+                    decoder.remove(row, caches=False)
             for cycle in decoder.cycle():
                 i = cycle.row.tag
                 if cycle.error:
-                    decoder.remove(cycle.row)
+                    decoder.remove(cycle.row, caches=False)
                     raise DFlashError(cycle.error)
                 results[i].acceptance_lengths.append(cycle.accepted + 1)
                 results[i].block_sizes.append(decoder.block_size)
                 if emit(i, cycle.tokens):
-                    decoder.remove(cycle.row)
+                    decoder.remove(cycle.row, caches=False)
     for result in results:
         result.text = tokenizer.decode(result.tokens)
         result.peak_memory = mx.get_peak_memory() / 1e9

@@ -70,8 +70,8 @@ class RowOracle:
     def join(self, cache):
         pass
 
-    def leave(self, r, kept):
-        return []
+    def leave(self, r, kept, unobserved=None):
+        return None if unobserved is None else []
 
     def propose(self, ys, block_size, rows):
         drafts = []
@@ -384,3 +384,44 @@ def test_plain_steps_queued_ahead_survive_rows_joining_and_leaving(loaded, famil
     prompt = context.tokens + [7]
     more = generate(model, draft, tokenizer, prompt, max_tokens=10, block_size=4, context=context)
     assert more.tokens == generate(model, draft, tokenizer, prompt, max_tokens=10, block_size=4).tokens
+
+
+class Scripted:
+    """The batch's blocks from a list (then plain steps)."""
+
+    def __init__(self, blocks):
+        self.blocks = list(blocks)
+
+    def choose(self, rows):
+        return self.blocks.pop(0) if self.blocks else 1
+
+    def update(self, rows, block_size, accepted):
+        pass
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_every_fed_position_reaches_each_rows_draft_context_once_and_in_order(loaded, family):
+    """Plain steps' features wait per row; a row joining between them, blocks
+    drafted after them and a row leaving with some still waiting: each row's
+    draft context ends holding the features of exactly its fed tokens, as a
+    prefill of those tokens would inject them."""
+    model, tokenizer, draft = loaded[family]
+    target = Target(model)
+    decoder = BatchDecoder(target, draft, Scripted([1, 1, 1, 1, 1, 4, 1, 1, 4, 1, 1]))
+    first, _ = decoder.add(mx.array(tokenizer.encode(PROMPTS[0])), BlockSampler(SamplingParams()))
+    for _ in range(2):
+        decoder.cycle()
+    second, _ = decoder.add(mx.array(tokenizer.encode(PROMPTS[2])), BlockSampler(SamplingParams()))
+    for _ in range(9):
+        decoder.cycle()
+    assert first.unobserved and second.unobserved, "features must still wait when the rows leave"
+    for row in (second, first):
+        context = decoder.remove(row)
+        alone = draft.make_cache()
+        out = target.forward(mx.array(context.tokens)[None], target.make_cache(), draft.config.target_layer_ids)
+        draft.inject(out.features, alone)
+        for got, want in zip(context.draft, alone):
+            assert got.offset == want.offset == len(context.tokens)
+            n = min(got.held, want.held)
+            for a, b in zip(got.state, want.state):
+                assert mx.allclose(a[..., -n:, :], b[..., -n:, :], atol=1e-4, rtol=1e-4).item()

@@ -46,8 +46,8 @@ class HalfMassRows:
     def join(self, cache):
         pass
 
-    def leave(self, r, kept):
-        return []
+    def leave(self, r, kept, unobserved=None):
+        return None if unobserved is None else []
 
     def propose(self, ys, block_size, rows):
         drafts = []

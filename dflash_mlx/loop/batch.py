@@ -43,6 +43,7 @@ class Row:
     logprobs: Optional[mx.array] = None  # [n, V] at the last cycle's n tokens (keep_logprobs)
     tag: Any = None  # the caller's
     probe: Optional[Probe] = None  # drafted beside a plain step, judged against the row's next tokens
+    unobserved: list = field(default_factory=list)  # its plain steps' features [1, 1, k*H], not yet injected
 
     def tokens_left(self) -> Optional[int]:
         return None if self.max_tokens is None else self.max_tokens - self.emitted
@@ -99,10 +100,16 @@ class DraftRows:
             for mine, theirs in zip(self.proposer.cache, rows):
                 mine.extend(theirs)
 
-    def leave(self, r: int, kept: list[int]) -> list[DraftContextCache]:
-        """Row r's caches as a request's own; the batch keeps rows ``kept``."""
-        fresh = self.draft.make_cache()
-        out = [DraftContextCache.from_row(*c.row(r), keep=f.keep) for c, f in zip(self.proposer.cache, fresh)]
+    def leave(self, r: int, kept: list[int], unobserved: Optional[list] = None) -> Optional[list[DraftContextCache]]:
+        """Row r's caches as a request's own, with its ``unobserved`` plain
+        steps' features (each [1, 1, k*H]) injected (None: its caches are not
+        wanted); the batch keeps rows ``kept``."""
+        out = None
+        if unobserved is not None:
+            fresh = self.draft.make_cache()
+            out = [DraftContextCache.from_row(*c.row(r), keep=f.keep) for c, f in zip(self.proposer.cache, fresh)]
+            if unobserved:
+                self.draft.inject(mx.concatenate(unobserved, axis=1), out)
         for c in self.proposer.cache:
             c.filter(mx.array(kept, dtype=mx.int32))
         if not kept:
@@ -155,7 +162,6 @@ class BatchDecoder:
         self.prefill_step_size = prefill_step_size
         self.rows: list[Row] = []
         self.cache: list = []  # the target's, one row per request
-        self.unobserved: list[mx.array] = []  # plain steps' features [B, 1, k*H], not yet injected
         self.block_size = 1  # the last cycle's
         self.next_block: Optional[int] = None  # chosen at the end of the last cycle
         self.queued: Optional[QueuedStep] = None  # a plain step in flight
@@ -176,7 +182,6 @@ class BatchDecoder:
         solo.keep_logprobs = logprobs
         first = solo.prefill(prompt)
         row = Row(sampler, context.tokens, first, max_tokens, solo.recent, 1, logprobs, solo.logprobs, tag)
-        self.catch_up()  # the rows' plain steps are injected before a new row joins
         rows = [kind.row_cache(c) for kind, c in zip(self.target.kinds, context.target)]
         if not self.rows:
             self.cache = rows
@@ -187,15 +192,16 @@ class BatchDecoder:
         self.rows.append(row)
         return row, first
 
-    def remove(self, row: Row) -> ContextCache:
+    def remove(self, row: Row, caches: bool = True) -> Optional[ContextCache]:
         """Take ``row`` out of the batch; its caches come back, holding every
-        token it fed (``row.tokens``)."""
+        token it fed (``row.tokens``): its draft context with its plain steps'
+        positions injected. ``caches=False``: nothing is extracted or injected
+        for it (a caller that keeps no caches), and None comes back."""
         r = self.rows.index(row)
-        self.catch_up()
         row.probe = None
-        target = [c.extract(r) for c in self.cache]
+        target = [c.extract(r) for c in self.cache] if caches else None
         kept = [i for i in range(len(self.rows)) if i != r]
-        draft = self.drafter.leave(r, kept)
+        draft = self.drafter.leave(r, kept, row.unobserved if caches else None)
         self.rows.pop(r)
         self._probe_judged()
         if not kept:
@@ -203,14 +209,22 @@ class BatchDecoder:
         index = mx.array(kept, dtype=mx.int32)
         for c in self.cache:
             c.filter(index)
-        return ContextCache(target, draft, row.tokens)
+        return ContextCache(target, draft, row.tokens) if caches else None
 
     def catch_up(self) -> None:
-        """Hand the drafter the plain steps' features it has not seen, for every row."""
-        if self.unobserved:
-            features = mx.concatenate(self.unobserved, axis=1)
-            self.drafter.observe(features, [features.shape[1]] * len(self.rows))
-            self.unobserved = []
+        """Hand the drafter the plain steps' features it has not seen, every
+        row's in one batch (rows that joined since have fewer: padded, then trimmed)."""
+        counts = [len(row.unobserved) for row in self.rows]
+        if not any(counts):
+            return
+        like = next(row.unobserved[0] for row in self.rows if row.unobserved)
+        width = max(counts)
+        features = []
+        for row, n in zip(self.rows, counts):
+            pad = [mx.zeros((1, width - n, like.shape[-1]), like.dtype)] if n < width else []
+            features.append(mx.concatenate(row.unobserved + pad, axis=1))
+            row.unobserved = []
+        self.drafter.observe(mx.concatenate(features), counts)
 
     # --- cycles ------------------------------------------------------------------
 
@@ -288,7 +302,6 @@ class BatchDecoder:
         without waiting for it; ``_finish_plain`` reads it."""
         self._start_probe(ys)
         out = self.target.forward(ys[:, None], self.cache, self.layer_ids)
-        self.unobserved.append(out.features)
         logits = self.target.logits(out.hidden[:, -1])  # [B, V]
         chosen = mx.argmax(logits, axis=-1).astype(mx.int32)  # every argmax-only row's token, at once
         own, processed = {}, {}
@@ -300,6 +313,7 @@ class BatchDecoder:
                 own[id(row)] = row.sampler.next_token(row_logits)
                 row.sampler.commit(own[id(row)])
             processed[id(row)] = row_logits
+            row.unobserved.append(out.features[i : i + 1])
             row.tokens.append(row.pending)
             row.remember([row.pending])
         mx.async_eval(chosen, list(own.values()))
