@@ -240,28 +240,63 @@ class BatchDecoder:
         row; a plain step queued by the last cycle is this one, for its rows
         still in the batch (a row that joined since takes part from the next).
 
-        A cycle that ends with a plain step next queues it before returning,
-        as mlx-lm's own decoding does, so it runs while the caller handles
-        this cycle's tokens; each row's caches and ``tokens`` then already
-        hold its pending token (a row removed before that step is read keeps
-        it: its ``ContextCache`` holds what was fed)."""
+        Plain steps are pipelined as mlx-lm's own decoding runs them: while
+        plain steps follow each other, the next is queued from the tokens of
+        the one in flight before the host waits for them, so one always runs
+        behind the host; a cycle that ends with a plain step next queues it
+        before returning, so it runs while the caller handles this cycle's
+        tokens. Each row's caches and ``tokens`` then already hold its
+        pending token (a row removed before that step is read keeps it: its
+        ``ContextCache`` holds what was fed)."""
         if self.queued is not None:
             self.block_size = 1
-            cycles = self._finish_plain()
-        elif self.rows:
-            b = self.block_size = self.next_block or self.choose_block()
-            ys = mx.array([r.pending for r in self.rows], dtype=mx.int32)
-            if b == 1:
-                self._queue_plain(ys)
-                cycles = self._finish_plain()
+            step, self.next_block = self.queued, self.choose_block()
+            ahead = self.next_block == 1 and all(r.tokens_left() is None or r.tokens_left() > 1 for r in self.rows)
+            if ahead:  # a plain step's outcome is known before it is read: queue the next from its tokens
+                self._queue_plain(self._next_tokens(step))
+                self.next_block = None
             else:
-                cycles = self._speculate(ys, b)
-        else:
+                self.queued = None
+            cycles = self._finish_plain(step)
+            if ahead:
+                self._fed(self.queued)
+            return cycles
+        if not self.rows:
             return []
+        b = self.block_size = self.next_block or self.choose_block()
+        ys = mx.array([r.pending for r in self.rows], dtype=mx.int32)
+        if b == 1:
+            self._queue_plain(ys)
+            self._fed(self.queued)
+            cycles = self._finish_plain(self.queued)
+            self.queued = None
+        else:
+            cycles = self._speculate(ys, b)
         self.next_block = self.choose_block() if self.rows else None
         if self.next_block == 1 and all(r.tokens_left() != 0 for r in self.rows):  # no row is surely leaving
             self._queue_plain(mx.array([r.pending for r in self.rows], dtype=mx.int32))
+            self._fed(self.queued)
         return cycles
+
+    def _next_tokens(self, step: "QueuedStep") -> mx.array:
+        """[B] every row's next token, unevaluated where ``step`` makes it."""
+        if step.rows == self.rows and not step.own:
+            return step.chosen
+        index = {id(row): i for i, row in enumerate(step.rows)}
+        parts = []
+        for row in self.rows:
+            i = index.get(id(row))
+            if i is None:  # joined since: its pending token is known
+                parts.append(mx.array([row.pending], dtype=mx.int32))
+            else:
+                parts.append(step.own[id(row)].reshape(1) if id(row) in step.own else step.chosen[i : i + 1])
+        return mx.concatenate(parts)
+
+    def _fed(self, step: "QueuedStep") -> None:
+        """Once each row's pending token is known: it joins the row's ``tokens``."""
+        for row in step.rows:
+            row.tokens.append(row.pending)
+            row.remember([row.pending])
 
     def _keep(self, row: Row, logits: mx.array) -> None:
         row.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if row.keep_logprobs else None
@@ -298,8 +333,8 @@ class BatchDecoder:
         self.probe_block, self.probe_hits = 0, []
 
     def _queue_plain(self, ys: mx.array) -> None:
-        """Feed every row's pending token (ys [B]) and start choosing the next,
-        without waiting for it; ``_finish_plain`` reads it."""
+        """Feed every row's pending token (ys [B], maybe unevaluated) and start
+        choosing the next, without waiting for it; ``_finish_plain`` reads it."""
         self._start_probe(ys)
         out = self.target.forward(ys[:, None], self.cache, self.layer_ids)
         logits = self.target.logits(out.hidden[:, -1])  # [B, V]
@@ -314,14 +349,11 @@ class BatchDecoder:
                 row.sampler.commit(own[id(row)])
             processed[id(row)] = row_logits
             row.unobserved.append(out.features[i : i + 1])
-            row.tokens.append(row.pending)
-            row.remember([row.pending])
         mx.async_eval(chosen, list(own.values()))
         self.queued = QueuedStep(list(self.rows), chosen, own, processed)
 
-    def _finish_plain(self) -> list[RowCycle]:
-        """The queued plain step's tokens, for its rows still in the batch."""
-        step, self.queued = self.queued, None
+    def _finish_plain(self, step: "QueuedStep") -> list[RowCycle]:
+        """A queued plain step's tokens, for its rows still in the batch."""
         mx.eval(step.chosen, list(step.own.values()))
         tokens = step.chosen.tolist()
         cycles, present = [], set(self.rows)
