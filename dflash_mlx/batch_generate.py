@@ -84,11 +84,13 @@ def batch_generate(
 
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream), drained(generation_stream):
         while waiting or decoder.rows:
-            while waiting and len(decoder.rows) < width:
-                i = waiting.pop(0)
-                row, first = decoder.add(ids[i], samplers[i], limits[i], tag=i)
-                if emit(i, [first]):
-                    decoder.remove(row, caches=False)
+            joining, waiting = waiting[: width - len(decoder.rows)], waiting[width - len(decoder.rows) :]
+            if joining:  # prefilled together, as mlx-lm's batch generator does
+                arrivals = [{"prompt": ids[i], "sampler": samplers[i], "max_tokens": limits[i], "tag": i}
+                            for i in joining]
+                for i, (row, first) in zip(joining, decoder.add_many(arrivals)):
+                    if emit(i, [first]):
+                        decoder.remove(row, caches=False)
             for cycle in decoder.cycle():
                 i = cycle.row.tag
                 if cycle.error:

@@ -64,10 +64,13 @@ class RowOracle:
     def solo(self, cache):
         return self
 
-    def observe(self, features, tokens):
+    def observe(self, features, *rest):
         pass
 
-    def join(self, cache):
+    def rows_of(self, caches):
+        return None
+
+    def join(self, rows):
         pass
 
     def leave(self, r, kept, unobserved=None):
@@ -425,3 +428,41 @@ def test_every_fed_position_reaches_each_rows_draft_context_once_and_in_order(lo
             n = min(got.held, want.held)
             for a, b in zip(got.state, want.state):
                 assert mx.allclose(a[..., -n:, :], b[..., -n:, :], atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma4"])
+def test_requests_prefilled_together_are_each_prefilled_as_alone(loaded, family):
+    """``add_many``: prompts of different lengths, one of them continuing a
+    context that holds its first tokens, in right-padded chunks of 3: each
+    row's first token, logprobs and caches are its solo prefill's, and so are
+    the tokens it decodes after."""
+    model, tokenizer, draft = loaded[family]
+    target = Target(model)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    first_part = BatchDecoder(target, draft, 4)
+    held = first_part.remove(first_part.add(mx.array(prompts[2][:5]), BlockSampler(SamplingParams()))[0])
+    assert held.tokens == prompts[2][:5]
+    decoder = BatchDecoder(target, draft, 4, prefill_step_size=3)
+    arrivals = [{"prompt": mx.array(p), "sampler": BlockSampler(SamplingParams(repetition_penalty=1.3)),
+                 "max_tokens": 12, "logprobs": True, "tag": i, **({"context": held} if i == 2 else {})}
+                for i, p in enumerate(prompts)]
+    joined = decoder.add_many(arrivals)
+    for r, ((row, first), prompt) in enumerate(zip(joined, prompts)):
+        alone = BatchDecoder(target, draft, 4, prefill_step_size=3)
+        solo_row, solo_first = alone.add(mx.array(prompt), BlockSampler(SamplingParams(repetition_penalty=1.3)),
+                                         logprobs=True)
+        assert first == solo_first and row.tokens == prompt
+        assert mx.allclose(row.logprobs, solo_row.logprobs, atol=1e-4).item()
+        assert_row_caches_equal([c.extract(r) for c in decoder.cache], [c.extract(0) for c in alone.cache])
+        for got, want in zip(decoder.drafter.proposer.cache, alone.drafter.proposer.cache):
+            g, w = got.row(r), want.row(0)
+            assert g[2] + g[0].shape[2] == w[2] + w[0].shape[2] == len(prompt)  # every position, once
+            n = min(g[0].shape[2], w[0].shape[2])
+            assert mx.allclose(g[0][..., -n:, :], w[0][..., -n:, :], atol=1e-4).item()
+    emitted = {i: [first] for i, (_, first) in enumerate(joined)}
+    for _ in range(8):
+        for cycle in decoder.cycle():
+            emitted[cycle.row.tag] += cycle.tokens
+    for i, prompt in enumerate(prompts):
+        solo = generate(model, draft, tokenizer, prompt, max_tokens=12, block_size=4, repetition_penalty=1.3)
+        assert emitted[i][: len(solo.tokens)] == solo.tokens[: len(emitted[i])]

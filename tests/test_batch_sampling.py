@@ -40,10 +40,13 @@ class HalfMassRows:
     def solo(self, cache):
         return self
 
-    def observe(self, features, tokens=None):
+    def observe(self, features, *rest):
         pass
 
-    def join(self, cache):
+    def rows_of(self, caches):
+        return None
+
+    def join(self, rows):
         pass
 
     def leave(self, r, kept, unobserved=None):

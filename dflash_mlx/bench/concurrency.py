@@ -5,8 +5,8 @@ At each width N the prompts run in waves of N requests that arrive together:
 the set in order, N at a time, the last wave wrapping round to the start of
 the set so that every wave has N. Each wave runs on the same loaded target
 twice, back to back: mlx-lm's ``BatchGenerator`` (N slots, its prompts
-prefilled together, greedy) and our ``BatchDecoder`` with N rows (each
-request prefilled alone as it joins, then cycles over all rows), the order
+prefilled together, greedy) and our ``BatchDecoder`` with N rows (the
+wave's requests prefilled together, ``add_many``, then cycles over all rows), the order
 alternating between consecutive waves, after one untimed short wave of each
 side at each width. Both are timed from outside, on one clock started when
 the wave's requests arrive: a request's first token (time to first token)
@@ -90,7 +90,7 @@ def run_mlx_lm(model, ids: list[list[int]], max_tokens: int, eos: list[int],
 def run_dflash(target, draft, policy, tokenizer, ids: list[list[int]], max_tokens: int, eos: list[int],
                clock: Callable[[], float] = time.perf_counter) -> dict:
     """Our ``BatchDecoder`` over the wave, driven as ``batch_generate`` drives
-    it: every request added (prefilled alone) as it arrives, then cycles over
+    it: the wave's requests added together (one batched prefill), then cycles over
     the rows, each leaving once it ends; per request as ``run_mlx_lm``, plus
     its accepted drafts per cycle, and the batch's block per cycle."""
     import mlx.core as mx
@@ -122,12 +122,13 @@ def run_dflash(target, draft, policy, tokenizer, ids: list[list[int]], max_token
     fresh()
     with wired_limit(target.model, [generation_stream]), mx.stream(generation_stream), drained(generation_stream):
         tic = clock()
-        for i, prompt in enumerate(prompts):
-            row, first = decoder.add(prompt, samplers[i], max_tokens, tag=i)
+        arrivals = [{"prompt": p, "sampler": samplers[i], "max_tokens": max_tokens, "tag": i}
+                    for i, p in enumerate(prompts)]
+        for i, (row, first) in enumerate(decoder.add_many(arrivals)):  # prefilled together, as mlx-lm's
             now = clock() - tic
             requests[i]["first_s"] = now
             if emit(i, [first], now):
-                decoder.remove(row)
+                decoder.remove(row, caches=False)
         while decoder.rows:
             cycles = decoder.cycle()
             now = clock() - tic
@@ -139,7 +140,7 @@ def run_dflash(target, draft, policy, tokenizer, ids: list[list[int]], max_token
                     raise DFlashError(c.error)
                 requests[i]["accepted"].append(c.accepted)
                 if emit(i, c.tokens, now):
-                    decoder.remove(c.row)
+                    decoder.remove(c.row, caches=False)
     return {"requests": requests, "wall_s": max(q["done_s"] for q in requests),
             "peak_memory_gb": mx.get_peak_memory() / 1e9, "blocks": blocks, "rows_per_cycle": widths}
 

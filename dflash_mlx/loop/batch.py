@@ -22,8 +22,9 @@ from typing import Any, Optional, Union
 import mlx.core as mx
 
 from ..draft import DFlash2Draft, DFlashDraft, DraftContextCache, SubsetHead
-from ..targets import RowKVCache, Target
+from ..targets import RowKVCache, Target, extend_rows
 from .batch_policy import FixedRows
+from .batch_prefill import prefill_together
 from .decoder import NON_FINITE, ContextCache, Probe, Proposer, SpeculativeDecoder, proposer_for, sound_logits
 from .sampling import BlockSampler
 from .verify import greedy_verify
@@ -90,10 +91,22 @@ class DraftRows:
         """The proposer a request's prefill injects its prompt through."""
         return proposer_for(self.draft, self.target, cache, self.head)
 
-    def join(self, cache: list[DraftContextCache]) -> None:
-        """Append a request's draft context caches as a new row."""
-        rows = [RowKVCache(*c.state, lengths=[c.held], starts=[c.start]) if c.held
-                else RowKVCache(lengths=[0], starts=[c.offset]) for c in cache]
+    @staticmethod
+    def rows_of(caches: list[list[DraftContextCache]]) -> list[RowKVCache]:
+        """Requests' draft context caches (one list per request) as the rows of batch caches."""
+        out = None
+        for cache in caches:
+            rows = [RowKVCache(*c.state, lengths=[c.held], starts=[c.start]) if c.held
+                    else RowKVCache(lengths=[0], starts=[c.offset]) for c in cache]
+            if out is None:
+                out = rows
+            else:
+                for mine, theirs in zip(out, rows):
+                    mine.extend(theirs)
+        return out
+
+    def join(self, rows: list[RowKVCache]) -> None:
+        """Append rows (``rows_of``) to the batch's draft context."""
         if not self.proposer.cache:
             self.proposer.cache = rows
         else:
@@ -116,11 +129,13 @@ class DraftRows:
             self.proposer.cache = []
         return out
 
-    def observe(self, features: mx.array, counts: list[int]) -> None:
-        """Inject features [B, T, k*H], of which row r keeps its first ``counts[r]``."""
-        self.draft.inject(features, self.proposer.cache)
+    def observe(self, features: mx.array, counts: list[int], rows: Optional[list[RowKVCache]] = None) -> None:
+        """Inject features [B, T, k*H], of which row r keeps its first
+        ``counts[r]``, into the batch's draft context (or into ``rows``)."""
+        rows = self.proposer.cache if rows is None else rows
+        self.draft.inject(features, rows)
         T = features.shape[1]
-        for c in self.proposer.cache:
+        for c in rows:
             c.trim_rows([T - n for n in counts])
 
     def propose(self, ys: mx.array, block_size: int, rows: list) -> list[tuple]:
@@ -182,15 +197,27 @@ class BatchDecoder:
         solo.keep_logprobs = logprobs
         first = solo.prefill(prompt)
         row = Row(sampler, context.tokens, first, max_tokens, solo.recent, 1, logprobs, solo.logprobs, tag)
-        rows = [kind.row_cache(c) for kind, c in zip(self.target.kinds, context.target)]
-        if not self.rows:
-            self.cache = rows
-        else:
-            for mine, theirs in zip(self.cache, rows):
-                mine.extend(theirs)
-        self.drafter.join(context.draft)
-        self.rows.append(row)
+        self._join([kind.row_cache(c) for kind, c in zip(self.target.kinds, context.target)],
+                   self.drafter.rows_of([context.draft]), [row])
         return row, first
+
+    def add_many(self, requests: list[dict]) -> list[tuple[Row, int]]:
+        """``add`` for requests arriving together (each a dict of ``add``'s
+        arguments), prefilled in one batch of their own (``batch_prefill.py``)."""
+        target_rows, draft_rows, made = prefill_together(self, requests)
+        rows = [Row(r["sampler"], tokens, first, r.get("max_tokens"), recent, 1, bool(r.get("logprobs")), logprobs,
+                    r.get("tag")) for r, (tokens, first, recent, logprobs) in zip(requests, made)]
+        self._join(target_rows, draft_rows, rows)
+        return [(row, row.pending) for row in rows]
+
+    def _join(self, target_rows: list, draft_rows: list, rows: list[Row]) -> None:
+        if not self.rows:
+            self.cache = target_rows
+        else:
+            for mine, theirs in zip(self.cache, target_rows):
+                extend_rows(mine, theirs, len(self.rows), len(rows))
+        self.drafter.join(draft_rows)
+        self.rows.extend(rows)
 
     def remove(self, row: Row, caches: bool = True) -> Optional[ContextCache]:
         """Take ``row`` out of the batch; its caches come back, holding every

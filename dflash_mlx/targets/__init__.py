@@ -10,10 +10,10 @@ from .forward_check import check_forward
 from .gated_delta import GatedDelta, project, split_qkv, sum_heads
 from .gated_delta_steps import CHECKPOINT_EVERY, steps
 from .layer_kinds import Attention
-from .rows import RowKVCache
+from .rows import RowKVCache, extend_rows
 from .sharded import PipelineTarget, TensorParallelTarget, sharded_target
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "Forward", "Target", "check_forward", "GatedDelta", "project", "split_qkv", "sum_heads",
-    "CHECKPOINT_EVERY", "steps", "Attention", "RowKVCache", "PipelineTarget", "TensorParallelTarget", "sharded_target",
+    "CHECKPOINT_EVERY", "steps", "Attention", "RowKVCache", "extend_rows", "PipelineTarget", "TensorParallelTarget", "sharded_target",
 ]

@@ -20,7 +20,7 @@ position ``start[r] + i``, the RoPE offset of its next key is
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 STEP = 256  # buffer growth, as mlx-lm's KVCache
 
@@ -157,3 +157,22 @@ class RowKVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def extend_rows(mine, theirs, rows_mine: int, rows_theirs: int) -> None:
+    """``mine.extend(theirs)`` for a batch cache of ``rows_mine`` rows and one
+    of ``rows_theirs``. mlx-lm's ``ArraysCache`` cannot tell how many rows it
+    holds before its states exist (a request with nothing fed yet), so its
+    missing states are zeros here, as its layer starts from zeros."""
+    if not isinstance(mine, ArraysCache):
+        mine.extend(theirs)
+        return
+
+    def joined(a: Optional[mx.array], b: Optional[mx.array]) -> Optional[mx.array]:
+        like = a if a is not None else b
+        if like is None:
+            return None
+        zeros = lambda n: mx.zeros((n, *like.shape[1:]), like.dtype)
+        return mx.concatenate([zeros(rows_mine) if a is None else a, zeros(rows_theirs) if b is None else b])
+
+    mine.cache = [joined(a, b) for a, b in zip(mine.cache, theirs.cache)]
