@@ -10,7 +10,8 @@ the whole batch, chosen per cycle by the batch's policy; b = 1 is a plain
 batched target step.
 
 Rows join between cycles (``add``: the request is prefilled alone, exactly as
-``SpeculativeDecoder.prefill`` does, and its caches become a new row) and
+``SpeculativeDecoder.prefill`` does, and its caches become a new row;
+``add_many``: requests arriving together, prefilled in one batch, ``batch_prefill.py``) and
 leave between cycles (``remove``: its caches come back as a ``ContextCache``
 holding every token it fed, for the prefix cache). A row's caches after any
 sequence of cycles hold what the same request decoded alone would hold.
