@@ -52,14 +52,9 @@ def test_every_row_is_its_solo_run_with_rows_joining_and_leaving(loaded, family,
         assert_same_or_near_tie(model, ids, result.tokens, want)
 
 
-class RowOracle:
-    """Proposes each row's greedy continuation (known in advance), corrupted
-    so that row r accepts exactly ``plan[r]`` drafts in the next cycle."""
-
-    def __init__(self, continuations: dict, vocab_size: int):
-        self.continuations = continuations  # tag -> the full greedy sequence (prompt + continuation)
-        self.vocab_size = vocab_size
-        self.plan: dict = {}  # tag -> drafts to accept this cycle (b-1: all)
+class StatelessDrafter:
+    """A drafter that keeps no draft context: its proposals come from the rows
+    alone (``BatchDecoder(drafter=...)``'s interface, beside ``DraftRows``)."""
 
     def solo(self, cache):
         return self
@@ -75,6 +70,16 @@ class RowOracle:
 
     def leave(self, r, kept, unobserved=None):
         return None if unobserved is None else []
+
+
+class RowOracle(StatelessDrafter):
+    """Proposes each row's greedy continuation (known in advance), corrupted
+    so that row r accepts exactly ``plan[r]`` drafts in the next cycle."""
+
+    def __init__(self, continuations: dict, vocab_size: int):
+        self.continuations = continuations  # tag -> the full greedy sequence (prompt + continuation)
+        self.vocab_size = vocab_size
+        self.plan: dict = {}  # tag -> drafts to accept this cycle (b-1: all)
 
     def propose(self, ys, block_size, rows):
         drafts = []

@@ -11,6 +11,8 @@ import pytest
 from test_sampling import (ALPHA, BLOCK, POSITIONS, PROMPT, WRONG_RULES, HalfMassProposer, RuleSampler,
                            build_target, exact_joint, pvalues)
 
+from test_batch import StatelessDrafter
+
 from dflash_mlx import Target
 from dflash_mlx.loop import BatchDecoder, BlockSampler, SamplingParams
 
@@ -30,27 +32,12 @@ def model():
     return model
 
 
-class HalfMassRows:
+class HalfMassRows(StatelessDrafter):
     """Each row's drafts from test_sampling's HalfMassProposer (far from p on
     purpose), drawn by the row's own sampler."""
 
     def __init__(self, model, memo):
         self.proposers = {tag: HalfMassProposer(model, params, memo.setdefault(tag, {})) for tag, params in ROWS.items()}
-
-    def solo(self, cache):
-        return self
-
-    def observe(self, features, *rest):
-        pass
-
-    def rows_of(self, caches):
-        return None
-
-    def join(self, rows):
-        pass
-
-    def leave(self, r, kept, unobserved=None):
-        return None if unobserved is None else []
 
     def propose(self, ys, block_size, rows):
         drafts = []
