@@ -4,7 +4,6 @@ DDTree of each budget), with ``--concurrency`` the batched one
 (``bench.concurrency.main_concurrency``) or, with ``--predict``, the cost model
 (``bench.predict.main_predict``)."""
 
-import warnings
 from typing import Callable, Optional
 
 from .. import validate
@@ -24,7 +23,7 @@ from .cost_model import context_length
 from .long_context import PROMPTS_PER_CONTEXT, context_prompts, context_summary, fitting, parse_context, render_contexts
 from .predict import main_predict, main_predict_batch
 from .prompts import select_prompts
-from .render import console, plot, render
+from .render import console, plot, render, stepping
 from .report import check_output_file, machine_info, make_report, validate_report, write_json
 from .runs import run_bench, sharded_runners
 from .schedule import arms
@@ -235,9 +234,6 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     and the per-context table; ``kv``: both sides quantize the KV cache.
     ``launch``: this rank of a distributed launch (``distributed.Launch``):
     the target is sharded, every rank runs every arm, only rank 0 prints and writes."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-
     err = err or console(stderr=True)
     out = out or console()
     chosen = None if contexts else select_prompts(prompts, categories, limit)
@@ -267,26 +263,13 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     if validate.AUTO in block_sizes:
         curve = shared_cost_curve(target, dft, launch.group) if launch else cost_curve(Target(target), dft)
     steps = (len(chosen) * repeat + int(warmup)) * (1 + len(dflash_arms))
-    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=False) as progress, warnings.catch_warnings():
-        warnings.simplefilter("ignore", validate.UntrainedBlockWarning)  # warned above, once
-        task = progress.add_task("bench", total=steps)
-        started = [False]
-
-        def on_step(description: str) -> None:
-            if started[0]:
-                progress.advance(task)
-            started[0] = True
-            progress.update(task, description=description)
-
+    with stepping(err, "bench", steps, remaining=True) as on_step:
         result = run_bench(target, dft, tokenizer, chosen, arms=dflash_arms,
                            max_tokens=max_tokens, repeat=repeat, sampling=sampling,
                            chat_template=chat_template, enable_thinking=thinking,
                            warmup_tokens=16 if warmup else 0, on_step=on_step, draft_vocab=draft_vocab, kv=kv,
                            cost_curve=curve if launch or curve is None else Watched(curve),
                            runners=sharded_runners(launch) if launch else None)
-        progress.advance(task)
     config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,
               "block_sizes": block_sizes, "tree_budgets": tree_budgets, "tree_block_size": tree_block,
               "repeat": repeat, **sampling, "dtype": "checkpoint" if dtype == "keep" else dtype,

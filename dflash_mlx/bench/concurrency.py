@@ -256,17 +256,13 @@ def main_concurrency(*, model: Optional[str], draft: Optional[str], prompts: str
     """The measured concurrency benchmark, from checked options: the pair
     resolved and the block checked against the draft before the models load;
     the table, then the JSON report."""
-    import warnings
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from ..chat import has_template, thinking_note
     from ..draft import DraftConfig
     from ..precision import dtype_name
     from ..registry import read_config, resolve_pair
     from .calibrate import load_pair
     from .prompts import select_prompts
-    from .render import console
+    from .render import console, stepping
     from .report import write_json
 
     err = err or console(stderr=True)
@@ -281,22 +277,10 @@ def main_concurrency(*, model: Optional[str], draft: Optional[str], prompts: str
     if chat_template and has_template(tokenizer):
         err.print(thinking_note(thinking), markup=False, highlight=False)
     steps = sum(2 * len(waves(len(chosen), w)) for w in widths) * repeat + 2 * len(widths) * int(warmup) + 1
-    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=False) as progress, warnings.catch_warnings():
-        warnings.simplefilter("ignore", validate.UntrainedBlockWarning)  # warned above, once
-        task = progress.add_task("bench --concurrency", total=steps)
-        started = [False]
-
-        def on_step(description: str) -> None:
-            if started[0]:
-                progress.advance(task)
-            started[0] = True
-            progress.update(task, description=description)
-
+    with stepping(err, "bench --concurrency", steps, width=32) as on_step:
         result = run_concurrency(target, dft, tokenizer, chosen, widths=widths, max_tokens=max_tokens,
                                  block_size=block, repeat=repeat, chat_template=chat_template,
                                  enable_thinking=thinking, warmup_tokens=16 if warmup else 0, on_step=on_step)
-        progress.advance(task)
     config = {"model": pair.target, "draft": pair.draft, "concurrency": widths, "max_tokens": max_tokens,
               "block_size": block, "repeat": repeat, "temperature": 0.0,
               "dtype": "checkpoint" if dtype == "keep" else dtype, "draft_dtype": dtype_name(dft),

@@ -1,6 +1,9 @@
 """The bench report on a terminal (rich tables) and as a PNG chart."""
 
+import contextlib
+import warnings
 from pathlib import Path
+from typing import Callable, Iterator
 
 from .. import validate
 from ..errors import DFlashError
@@ -150,3 +153,27 @@ def plot(report: dict, path: str | Path) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
+
+@contextlib.contextmanager
+def stepping(err, name: str, total: int, remaining: bool = False, width: int = 40) -> Iterator[Callable[[str], None]]:
+    """A progress bar of ``total`` runs on ``err``, with the untrained-block
+    warning (already given once) silenced: yields ``on_step(description)``,
+    which counts the run before as done and names the next; the last counts
+    as done on leaving."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = (TextColumn(f"{{task.description:<{width}}}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               *([TimeRemainingColumn()] if remaining else []))
+    with Progress(*columns, console=err, transient=False) as progress, warnings.catch_warnings():
+        warnings.simplefilter("ignore", validate.UntrainedBlockWarning)
+        task = progress.add_task(name, total=total)
+        started = [False]
+
+        def on_step(description: str) -> None:
+            if started[0]:
+                progress.advance(task)
+            started[0] = True
+            progress.update(task, description=description)
+
+        yield on_step
+        progress.advance(task)

@@ -22,12 +22,13 @@ from typing import Any, Optional, Union
 
 import mlx.core as mx
 
-from ..draft import DFlash2Draft, DFlashDraft, DraftContextCache, SubsetHead
+from ..draft import DFlashDraft, DraftContextCache, SubsetHead
 from ..targets import RowKVCache, Target, extend_rows
 from .batch_policy import FixedRows
 from .batch_prefill import prefill_together
-from .decoder import NON_FINITE, ContextCache, Probe, Proposer, SpeculativeDecoder, proposer_for, sound_logits
-from .sampling import BlockSampler
+from .decoder import (NON_FINITE, ContextCache, DFlash2Proposer, Probe, Proposer, SpeculativeDecoder, proposer_for,
+                      sound_logits)
+from .sampling import BlockSampler, log_probs
 from .verify import greedy_verify
 
 
@@ -144,17 +145,15 @@ class DraftRows:
         proposer = self.proposer
         hidden = proposer.block_hidden_rows(ys, block_size)  # [B, b-1, H]
         logits = self.draft.scale_logits(proposer.head(hidden))
-        walk = isinstance(self.draft, DFlash2Draft)
+        walk = isinstance(proposer, DFlash2Proposer)
         greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # argmax-only rows' drafts, at once
         sound = sound_logits(logits, axis=(1, 2))  # per row
         drafts = []
         for i, row in enumerate(rows):
             if not walk and row.sampler.argmax_only:
                 drafted, q = greedy[i], None
-            elif walk:  # DFlash2: the candidate selector's walk, as DFlash2Proposer.draft_block
-                key = row.sampler.draft_key()
-                temperature = 0.0 if key is None else row.sampler.params.temperature
-                drafted, q = self.draft.candidate_selector.walk(hidden[i], logits[i], ys[i : i + 1], temperature, key)
+            elif walk:  # DFlash2: the candidate selector's walk, as a request alone drafts
+                drafted, q = proposer.walk(hidden[i], logits[i], ys[i : i + 1], row.sampler)
             else:
                 drafted, q = row.sampler.draft(logits[i])
             drafts.append((drafted, q, sound[i]))
@@ -327,7 +326,7 @@ class BatchDecoder:
             row.remember([row.pending])
 
     def _keep(self, row: Row, logits: mx.array) -> None:
-        row.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if row.keep_logprobs else None
+        row.logprobs = log_probs(logits) if row.keep_logprobs else None
 
     def _start_probe(self, ys: mx.array) -> None:
         """Draft every row's block of a probe the policy has due (one at a time)."""

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..targets import extend_rows
 from .decoder import ContextCache
+from .sampling import log_probs
 
 
 def _pad(rows: list[list[int]], width: int) -> mx.array:
@@ -77,6 +78,6 @@ def prefill_together(decoder, requests: list[dict]) -> tuple[list, list, list[tu
         row_logits = sampler.process(logits[i : i + 1], mx.array(recent, dtype=mx.int32))
         first = sampler.next_token(row_logits)
         sampler.commit(first)
-        logprobs = row_logits - mx.logsumexp(row_logits, axis=-1, keepdims=True) if request.get("logprobs") else None
+        logprobs = log_probs(row_logits) if request.get("logprobs") else None
         made.append((context.tokens, first.item(), recent, logprobs))
     return cache, draft_rows, made

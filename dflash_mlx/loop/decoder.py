@@ -18,7 +18,7 @@ from .block_policy import BlockPolicy, FixedBlock
 from ..draft import DFlash2Draft, DFlashDraft, SubsetHead
 from ..errors import DFlashError
 from ..kv_quantization import KVQuantization
-from .sampling import BlockSampler, SamplingParams
+from .sampling import BlockSampler, SamplingParams, log_probs
 from ..targets import Target
 
 
@@ -109,7 +109,11 @@ class DFlash2Proposer(DraftProposer):
         return self._rows(y, block_size)[1]
 
     def draft_block(self, y: mx.array, block_size: int, sampler: BlockSampler):
-        hidden, logits = self._rows(y, block_size)
+        return self.walk(*self._rows(y, block_size), y, sampler)
+
+    def walk(self, hidden: mx.array, logits: mx.array, y: mx.array, sampler: BlockSampler):
+        """(drafted [b-1], q or None): the selector's walk over a block's rows
+        after y, with the sampler's temperature and its next key."""
         key = sampler.draft_key()
         temperature = 0.0 if key is None else sampler.params.temperature
         return self.draft.candidate_selector.walk(hidden, logits, y, temperature, key)
@@ -262,9 +266,8 @@ class SpeculativeDecoder:
         self.probe: Optional[Probe] = None  # drafted beside a plain step, judged against the next tokens
 
     def _keep(self, logits: mx.array) -> None:
-        """With ``keep_logprobs``: the target's log-probabilities of processed
-        logits [n, V] (before the sampler's warping, as mlx-lm reports them)."""
-        self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if self.keep_logprobs else None
+        """With ``keep_logprobs``: ``log_probs`` of processed logits [n, V]."""
+        self.logprobs = log_probs(logits) if self.keep_logprobs else None
 
     def _remember(self, tokens: list[int]) -> None:
         keep = self.sampler.params.context_size

@@ -50,6 +50,12 @@ class SamplingParams:
         return max([n for penalty, n in sizes if penalty] or [0])
 
 
+def log_probs(logits: mx.array) -> mx.array:
+    """The target's log-probabilities of processed logits [n, V] (before the
+    sampler's warping), as mlx-lm's ``generate_step`` reports them."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def warp(logits: mx.array, params: SamplingParams) -> mx.array:
     """Normalized log-probabilities [..., V] after top-p, min-p, top-k and temperature."""
     logprobs = logits.astype(mx.float32)
