@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 
 from .errors import DFlashError
+from .validate import KV_GROUP_SIZES
 
 FULL_ATTENTION = "full_attention"  # the layer kind whose cache is quantized (targets/layer_kinds.py)
 
@@ -36,14 +37,22 @@ class KVQuantization:
     start: int = DEFAULT_QUANTIZED_KV_START
 
     def check(self, target) -> None:
-        """A one-line DFlashError where the target cannot take this quantization."""
+        """A one-line DFlashError where the target cannot take this quantization:
+        layers that share K/V, or a head dimension the group size does not
+        divide (naming the group sizes that do, if any)."""
+        if len(target.make_cache()) < target.num_layers:
+            raise DFlashError("kv_bits is not supported on targets whose layers share K/V (Gemma 4); "
+                              "run without kv_bits (--kv-bits)")
         args = target.args
         head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+        fits = [g for g in KV_GROUP_SIZES if head_dim % g == 0]
+        if not fits:
+            raise DFlashError(f"kv_bits cannot serve this target: its head dimension {head_dim} is not a multiple "
+                              f"of any group size MLX quantizes ({', '.join(map(str, KV_GROUP_SIZES))}); "
+                              "run without kv_bits (--kv-bits)")
         if head_dim % self.group_size:
             raise DFlashError(f"kv_group_size {self.group_size} does not divide the target's head dimension "
-                              f"{head_dim}; use a group size that does (32, 64 or 128)")
-        if len(target.make_cache()) < target.num_layers:
-            raise DFlashError("kv_bits is not supported on targets whose layers share K/V (Gemma 4)")
+                              f"{head_dim}; use {' or '.join(map(str, fits))}")
 
     def convert(self, cache: list, kinds: list) -> None:
         """Before a pass: quantize, in place in the list, each full-attention

@@ -125,10 +125,45 @@ def test_bad_kv_options_are_one_line_errors(pairs):
     model, tokenizer, draft = pairs["llama"]
     for options, words in [(dict(kv_bits=7), "kv_bits must be one of"),
                            (dict(kv_bits=4, kv_group_size=48), "kv_group_size must be one of"),
-                           (dict(kv_bits=4, kv_group_size=64), "does not divide the target's head dimension"),
+                           (dict(kv_bits=4, kv_group_size=64), "does not divide the target's head dimension 32; "
+                                                                "use 32$"),
                            (dict(kv_bits=4, quantized_kv_start=-1), "quantized_kv_start must be")]:
         with pytest.raises(DFlashError, match=words):
             generate(model, draft, tokenizer, PROMPT, max_tokens=2, **options)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_a_head_dimension_no_group_size_divides_is_refused_without_advice_in_circles(target_dirs, draft_dir,
+                                                                                      group_size):
+    """Head dimension 16 (the tiny llama's): no group size MLX quantizes (32,
+    64, 128) divides it, so no group size is suggested: kv_bits cannot serve it."""
+    model, tokenizer = mlx_lm_load(str(target_dirs["llama"]))
+    draft = load_draft(str(draft_dir("llama")))
+    with pytest.raises(DFlashError) as error:
+        generate(model, draft, tokenizer, PROMPT, max_tokens=2, kv_bits=4, kv_group_size=group_size)
+    message = str(error.value)
+    assert "cannot serve this target" in message and "head dimension 16" in message
+    assert message.endswith("run without kv_bits (--kv-bits)") and "use " not in message
+    assert "\n" not in message
+
+
+def test_the_cli_refuses_such_a_target_in_one_line(target_dirs, draft_dir):
+    res = CliRunner().invoke(app, ["generate", "--model", str(target_dirs["llama"]), "--draft",
+                                   str(draft_dir("llama")), "-p", "x", "--kv-bits", "4", "--kv-group-size", "32"])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert lines[0].startswith("error: kv_bits cannot serve this target") and "head dimension 16" in lines[0]
+
+
+def test_layers_that_share_kv_are_refused_before_any_group_size_advice(target_dirs, draft_dir):
+    """Gemma 4 (head dimension 16, layers sharing K/V): the sharing is what
+    rules kv_bits out, whatever the group size."""
+    model, tokenizer = mlx_lm_load(str(target_dirs["gemma4"]))
+    draft = load_draft(str(draft_dir("gemma4")))
+    for group_size in (32, 64):
+        with pytest.raises(DFlashError, match="layers share K/V") as error:
+            generate(model, draft, tokenizer, PROMPT, max_tokens=2, kv_bits=4, kv_group_size=group_size)
+        assert "group size" not in str(error.value) and "head dimension" not in str(error.value)
 
 
 def test_a_verified_block_ends_at_the_quantization_start():
