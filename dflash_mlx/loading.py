@@ -70,7 +70,7 @@ def load(path_or_repo: str, lazy: bool = False) -> tuple[nn.Module, TokenizerWra
 
 
 def load_draft(path_or_repo: str, lazy: bool = False, dtype: str = "auto") -> DFlashDraft:
-    """Load a DFlash draft (v1, or DFlash2 by its ``architectures``): the z-lab
+    """Load a DFlash draft (v1, DFlash2 or DSpark by its ``architectures``): the z-lab
     HF layout (either config dialect) or the MLX layout written by
     ``dflash-mlx convert`` (optionally quantized). ``dtype``: what it computes
     in (``precision.choose_draft_dtype``: auto is float32 on M1/M2)."""

@@ -22,7 +22,8 @@ from typing import Any, Optional, Union
 
 import mlx.core as mx
 
-from ..draft import DFlashDraft, DraftContextCache, SubsetHead
+from ..draft import DFlashDraft, DraftContextCache, DSparkDraft, SubsetHead
+from ..errors import DFlashError
 from ..targets import RowKVCache, Target, extend_rows
 from .batch_policy import FixedRows
 from .batch_prefill import prefill_together
@@ -86,6 +87,8 @@ class DraftRows:
     position), with the target's embedding and head as a request alone has them."""
 
     def __init__(self, draft: DFlashDraft, target: Target, head: Optional[SubsetHead] = None):
+        if isinstance(draft, DSparkDraft):
+            raise DFlashError("DSpark drafts do not run batched yet; generate one request at a time")
         self.draft, self.target, self.head = draft, target, head
         self.proposer = proposer_for(draft, target, [], head)  # its cache: one RowKVCache per draft layer
 

@@ -15,9 +15,10 @@ from typing import Optional, Protocol, Union
 import mlx.core as mx
 
 from .block_policy import BlockPolicy, FixedBlock
-from ..draft import DFlash2Draft, DFlashDraft, SubsetHead
+from ..draft import DFlash2Draft, DFlashDraft, DSparkDraft, SubsetHead
 from ..errors import DFlashError
 from ..kv_quantization import KVQuantization
+from .probe import Probe
 from .sampling import BlockSampler, SamplingParams, log_probs
 from ..targets import Target
 
@@ -131,10 +132,32 @@ def sound_logits(logits: mx.array, axis=None) -> mx.array:
     return ~(mx.isnan(logits) | (logits == mx.inf)).any(axis=axis)
 
 
+class DSparkProposer(DraftProposer):
+    """Proposes with a DSpark draft (``draft/dspark.py``): slot k-1 of its
+    trained-width block predicts x_k (so no more than gamma drafts), its Markov
+    walk chooses them, and ``confidence`` holds the walk's c_k (unevaluated)."""
+
+    @property
+    def widest(self) -> int:
+        """The widest block it drafts: the anchor and the trained gamma drafts."""
+        return self.draft.config.block_size
+
+    def block_hidden(self, y: mx.array, block_size: int) -> mx.array:
+        return self.draft(self.embed(self.draft.block_ids(y)), self.cache)[0, : block_size - 1]
+
+    def draft_block(self, y: mx.array, block_size: int, sampler: BlockSampler):
+        hidden = self.block_hidden(y, block_size)
+        logits = self.draft.scale_logits(self.head(hidden))
+        self.finite = sound_logits(logits)
+        drafted, q, self.confidence = self.draft.walk(hidden, logits, y, sampler.draft)
+        return drafted, q
+
+
 def proposer_for(draft: DFlashDraft, target: Target, cache: Optional[list] = None,
                  head: Optional[SubsetHead] = None) -> DraftProposer:
-    """The proposer of a draft's architecture (v1 or DFlash2)."""
-    cls = DFlash2Proposer if isinstance(draft, DFlash2Draft) else DraftProposer
+    """The proposer of a draft's architecture (v1, DFlash2 or DSpark)."""
+    kinds = ((DSparkDraft, DSparkProposer), (DFlash2Draft, DFlash2Proposer))
+    cls = next((proposer for kind, proposer in kinds if isinstance(draft, kind)), DraftProposer)
     return cls(draft, target, cache, head)
 
 
@@ -177,38 +200,6 @@ class ContextCache:
     target: list
     draft: list
     tokens: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Probe:
-    """A block drafted beside a plain step and judged against the target's own
-    next tokens instead of verified (``AdaptiveBlock.probe``)."""
-
-    drafted: mx.array  # [b-1] the drafts after the token they were drafted from
-    q: Optional[mx.array]  # [b-1, V] the log-probabilities they were drawn from (None: greedy)
-    finite: mx.array  # whether the draft's logits were sound
-    hits: list = field(default_factory=list)  # per position judged: the probability it would be accepted
-    ids: Optional[list[int]] = None  # ``drafted`` read once to the host
-
-    def judge(self, token: int, logits: mx.array, sampler: BlockSampler) -> Optional[list[float]]:
-        """Judge the next draft position against the target's own ``token``,
-        chosen from processed ``logits`` [1, V]. Once the drafts part from the
-        tokens or all are judged: the hits (none for an unsound draft), else None.
-
-        The drafts are read whole, with no new op: slicing one out would queue
-        behind the plain step already in flight and wait for it, so the host
-        would queue the step after it late (about 1 ms a judged position)."""
-        if self.ids is None:
-            self.ids = self.drafted.tolist()
-        i = len(self.hits)
-        drafted = self.ids[i]
-        self.hits.append(sampler.acceptance(logits, token, drafted, None if self.q is None else self.q[i]))
-        if token == drafted and len(self.hits) < len(self.ids):
-            return None
-        if not self.finite.item():
-            return [0.0] * len(self.hits)
-        mx.eval([h for h in self.hits if isinstance(h, mx.array)])
-        return [float(h) for h in self.hits]
 
 
 @dataclass
@@ -327,6 +318,9 @@ class SpeculativeDecoder:
         self.block_size = self.policy.choose(len(self.tokens), left)
         if self.kv:
             self.block_size = self.kv.block(len(self.tokens), self.block_size)
+        widest = getattr(self.proposer, "widest", None)  # a DSpark draft: never wider than trained
+        if widest:
+            self.block_size = min(self.block_size, widest)
         if left is not None:  # a cycle emits at most b tokens
             self.block_size = max(1, min(self.block_size, left))
         if self.block_size == 1:  # speculation off: a plain target step, no draft pass
