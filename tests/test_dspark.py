@@ -254,6 +254,14 @@ def test_a_draft_without_heads_is_lossless_too(loaded, tmp_path):
         greedy_reference(model, ids, 16)
 
 
+def test_a_ddtree_over_a_dspark_draft_is_lossless(loaded):
+    """Without Markov children yet, the tree's per-depth distributions are the base logits U_k."""
+    model, tokenizer, path, _ = loaded["qwen3"]
+    ids = tokenizer.encode("the quick brown fox")
+    res = generate(model, load_draft(str(path)), tokenizer, ids, max_tokens=16, block_size=GAMMA + 1, tree_budget=6)
+    assert res.tokens == greedy_reference(model, ids, 16)
+
+
 class SteeredProposer(DSparkProposer):
     """The real DSpark proposer and Markov walk, its base logits pushed towards
     the target's greedy continuation (corrupted at one slot), so every

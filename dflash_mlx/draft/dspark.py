@@ -27,9 +27,9 @@ from .model import FULL, DFlashDraft, DraftConfig
 from ..errors import DFlashError
 
 ARCHITECTURE = "Qwen3DSparkModel"
-# DSpark packagings this module does not load yet (docs/dspark.md, "Packagings")
+# DSpark packagings this module does not load yet (docs/dspark.md, "Refused layouts")
 NOT_YET = ("Gemma4DSparkModel", "Lfm2DSparkDraftModel")
-# keys DeepSpec's model asserts on (no defaults), and those the others make required
+# keys every DeepSpec config carries (its model asserts on them; there are no defaults)
 REQUIRED = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "num_anchors",
             "enable_confidence_head", "markov_rank")
 _HEAD_KEYS = ("num_anchors", "enable_confidence_head", "confidence_head_with_markov", "markov_rank",
