@@ -17,12 +17,18 @@ import numpy as np
 from .errors import DFlashError
 
 KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
+STUCK = "no token of this tokenizer can continue it"
+CHECKED = 8  # masks of at most this many tokens are checked token by token (see Constraint.next_tokens)
 
 _tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF tokenizer -> {(V, eos): LLTokenizer}
 
 
+def _message(message: str) -> str:
+    return "response_format: " + " ".join(message.split())[:400]
+
+
 def _fail(message: str) -> DFlashError:
-    return DFlashError("response_format: " + " ".join(message.split())[:400])
+    return DFlashError(_message(message))
 
 
 def grammar(response_format: Optional[dict]) -> Optional[str]:
@@ -91,10 +97,15 @@ def constraint_for(response_format: Optional[dict], tokenizer, vocab_size: int) 
     after = response_format.get("after", "")
     if not isinstance(after, str):
         raise _fail(f"after must be text (the grammar starts once it is generated), got {after!r}")
-    matcher = LLMatcher(_ll_tokenizer(tokenizer, vocab_size), source, log_level=0)
+    lltok = _ll_tokenizer(tokenizer, vocab_size)
+    matcher = LLMatcher(lltok, source, log_level=0)
     if matcher.is_error():
         raise _fail(matcher.get_error())
-    return Constraint(matcher, vocab_size, tokenizer.encode(after, add_special_tokens=False) if after else [])
+    constraint = Constraint(matcher, vocab_size, lltok.eos_tokens,
+                            tokenizer.encode(after, add_special_tokens=False) if after else [])
+    if not constraint.next_tokens().any():  # checked before any token is decoded
+        raise _fail(f"the grammar cannot produce any value: {constraint.failure or STUCK}")
+    return constraint
 
 
 def _end_of(sequence: list[int], tokens: list[int]) -> Optional[int]:
@@ -111,16 +122,22 @@ class Constraint:
     ``allowed(prefix)`` is the mask after the committed tokens and ``prefix``
     (a block's drafts): the matcher advances through the prefix and is rolled
     back to the committed tokens before the next commit is consumed. With
-    ``after`` (token ids), the grammar starts only once they are generated."""
+    ``after`` (token ids), the grammar starts only once they are generated.
+    Where the grammar can go no further (llguidance fails, no token
+    continues it, or a committed token is outside it) only ``eos`` is
+    allowed, so the reply ends there; ``verdict`` says whether it is whole."""
 
-    def __init__(self, matcher, vocab_size: int, after: Sequence[int] = ()):
+    def __init__(self, matcher, vocab_size: int, eos: Sequence[int], after: Sequence[int] = ()):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.eos = np.zeros(vocab_size, dtype=bool)
+        self.eos[list(eos)] = True
         self.after = list(after)  # still to be generated before the grammar starts; [] once it has
         self.tail: list[int] = []  # the committed tokens that may begin ``after``
         self.unread: list[mx.array] = []  # committed, not yet consumed by the matcher
         self.ahead: list[int] = []  # consumed past the committed tokens
         self.memo: dict[tuple, Optional[mx.array]] = {}  # prefix -> mask, until the next commit
+        self.failure: Optional[str] = None  # why the committed reply left the grammar
 
     def commit(self, tokens: mx.array) -> None:
         self.unread.append(tokens.reshape(-1))
@@ -139,19 +156,45 @@ class Constraint:
             self.after, tokens = [], tokens[end:]
         self.matcher.rollback(len(self.ahead))
         self.ahead = []
-        # every committed token was chosen under the mask, so all are consumed,
-        # except tokens after the grammar's end (generation stops at its EOS)
-        self.matcher.try_consume_tokens(tokens)
+        # tokens after the grammar's end are not consumed (generation stops at its EOS)
+        consumed = self.matcher.try_consume_tokens(tokens)
+        if consumed < len(tokens) and not self.matcher.is_stopped() and self.failure is None:
+            self.failure = self._error() or f"token {tokens[consumed]} of the reply is outside the grammar"
+
+    def _error(self) -> Optional[str]:
+        """llguidance's own error, its first line, once the matcher failed."""
+        return f"llguidance failed ({self.matcher.get_error().splitlines()[0]})" if self.matcher.is_error() else None
+
+    def next_tokens(self) -> np.ndarray:
+        """bool [V]: the tokens the matcher accepts next, in its present
+        state; none once it failed. A mask of a few tokens is checked token by
+        token: llguidance's shortcut for text the grammar forces allows the
+        tokenizer's spelling of it, which may be a token its own parser
+        rejects (``<unk>`` where the tokenizer cannot encode that text as its
+        vocabulary spells it); where none passes, every token is tried."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        if self.matcher.is_error():
+            self.failure = self.failure or self._error()
+            return np.zeros_like(mask)
+        few = np.flatnonzero(mask & ~self.eos)
+        if len(few) <= CHECKED:
+            mask[few] = [self.matcher.validate_tokens([int(t)]) == 1 for t in few]
+            if len(few) and not mask.any():  # a wrong spelling: the tokens the parser accepts, one by one
+                mask = np.array([self.matcher.validate_tokens([t]) == 1 for t in range(self.vocab_size)])
+        return mask
 
     def allowed(self, prefix: list[int]) -> Optional[mx.array]:
         """bool [V]: the tokens the grammar allows after the committed tokens
-        and ``prefix``; None where the row is free: before ``after``, after
-        a token the grammar rejects (no emitted token depends on that row) or
-        once nothing is allowed."""
+        and ``prefix``; None where the row is free: before ``after`` or after
+        a token the grammar rejects (no emitted token depends on that row);
+        only EOS where the grammar can go no further."""
         self._settle()
         key = tuple(prefix)
         if key not in self.memo:
-            if self.after:
+            if self.failure is not None:
+                self.memo[key] = mx.array(self.eos)
+            elif self.after:
                 end = _end_of(self.after, self.tail + prefix)
                 start = None if end is None else end - len(self.tail)
                 self.memo[key] = None if start is None else self._mask_after(prefix[start:])
@@ -169,9 +212,19 @@ class Constraint:
             if self.matcher.try_consume_tokens([token]) != 1:
                 return None
             self.ahead.append(token)
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
-        return mx.array(mask) if mask.any() else None
+        mask = self.next_tokens()
+        return mx.array(mask if mask.any() else self.eos)
+
+    def verdict(self) -> Optional[str]:
+        """None when the committed tokens are a reply the grammar accepts
+        whole; else why not, in one line starting ``response_format:``."""
+        self._settle()
+        reason = self.failure
+        if reason is None and self.after:
+            reason = "the reply ended before the text its grammar starts after"
+        elif reason is None and not (self.matcher.is_accepting() or self.matcher.is_stopped()):
+            reason = STUCK
+        return None if reason is None else _message(f"the reply stopped short of its grammar: {reason}")
 
     def restrict(self, logits: mx.array, drafted: list[int]) -> mx.array:
         """Rows [n, V], row i masked (-inf outside the grammar) to the tokens

@@ -263,6 +263,8 @@ def test_output_matches_the_schema(llama):
     ({"type": "json_object", "after": 3}, "after must be text"),
     ({"type": "regex", "regex": "[0-9"}, "regex"),
     ({"type": "xml"}, "'xml'"),
+    ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}},
+     "the grammar cannot produce any value"),
     ("json", "must be an object"),
 ])
 def test_a_bad_format_is_one_error_line_naming_it(llama, response_format, named):
@@ -314,7 +316,7 @@ LETTER_TOKENIZER = llguidance.LLTokenizer(llguidance.TokenizerWrapper(LetterToke
 
 
 def letter_constraint():
-    return Constraint(LLMatcher(LETTER_TOKENIZER, TINY_GRAMMAR, log_level=0), V)
+    return Constraint(LLMatcher(LETTER_TOKENIZER, TINY_GRAMMAR, log_level=0), V, LETTER_TOKENIZER.eos_tokens)
 
 
 def allowed(prefix):

@@ -15,14 +15,14 @@ from typing import Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import Field, StrictBool
 from sse_starlette import EventSourceResponse
 
 from . import engine as eng
 from .errors import APIError
 from .parts import Parts, ReplySplitter
 from .prompts import chat_ids, unicode_text
-from .schemas import Body, ChatRequest
+from .schemas import Body, ChatRequest, tool_problem
 
 ROUTE = "/v1/messages"
 DFLASH_USAGE = ("cycles", "tokens_per_cycle", "block_sizes", "decoding")  # how DFlash served it, as on the chat route
@@ -114,11 +114,10 @@ class Conversation(Body):
             return None
         tools = []
         for i, tool in enumerate(self.tools):
-            if tool.type not in (None, "custom"):
-                raise APIError(400, f"tools[{i}]: tool type '{tool.type}' is not supported; only "
-                                    "custom tools (name, description, input_schema)", f"tools[{i}].type")
-            if tool.input_schema is None:
-                raise APIError(400, f"tools[{i}].input_schema: Field required", f"tools[{i}].input_schema")
+            problem = tool_problem(i, tool.type, (None, "custom"), "custom tools (name, description, input_schema)",
+                                   {"input_schema": tool.input_schema})
+            if problem:
+                raise APIError(400, problem[1], problem[0])
             function = {"name": tool.name, "parameters": tool.input_schema}
             if tool.description is not None:
                 function["description"] = tool.description
@@ -142,7 +141,7 @@ class MessagesRequest(Conversation):
     temperature: float = Field(0.0, ge=0.0)  # greedy unless asked, as the OpenAI routes
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    stream: bool = False
+    stream: StrictBool = False
 
     def chat(self) -> ChatRequest:
         stop = [unicode_text(s, f"stop_sequences[{k}]") for k, s in enumerate(self.stop_sequences or [])]
@@ -159,7 +158,14 @@ def _text(content: Union[str, list[Block], None], where: str) -> str:
         if block.type != "text":
             raise APIError(400, f"{where}[{j}]: content blocks of type '{block.type}' are not supported "
                                 "here; only text", f"{where}[{j}].type")
-    return unicode_text("".join(block.text or "" for block in content), where)
+    return unicode_text("".join(_block_text(block, f"{where}[{j}]") for j, block in enumerate(content)), where)
+
+
+def _block_text(block: Block, at: str) -> str:
+    """A text block's text (a 400 naming ``at.text`` when it has none)."""
+    if block.text is None:
+        raise APIError(400, f"{at}.text: Field required", f"{at}.text")
+    return block.text
 
 
 def _messages(turn: Turn, where: str) -> list[dict]:
@@ -176,7 +182,7 @@ def _messages(turn: Turn, where: str) -> list[dict]:
             raise APIError(400, f"{at}: content blocks of type '{block.type}' are not supported in a "
                                 f"{turn.role} message; only {', '.join(allowed[turn.role])}", f"{at}.type")
         if block.type == "text":
-            text.append(_text(block.text, f"{at}.text"))
+            text.append(_text(_block_text(block, at), f"{at}.text"))
         elif block.type == "tool_use":
             if not block.id or not block.name:
                 raise APIError(400, f"{at}: a tool_use block needs its id and name", at)

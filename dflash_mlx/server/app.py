@@ -245,7 +245,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
                 else:
                     if reply.chat and (parts := reply.splitter.finish()):
                         yield reply.chunk(parts.delta())
-                    yield reply.chunk({} if reply.chat else "", reply.finish_reason(event.finish_reason))
+                    yield reply.chunk({} if reply.chat else "", event)
                     if include_usage:
                         yield reply.usage_chunk(event.usage)
             yield {"data": "[DONE]"}
@@ -263,7 +263,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
                 elif isinstance(event, eng.Failed):
                     raise APIError(event.status, event.message, code=event.code)
                 else:
-                    return reply.whole("".join(text), event.finish_reason, event.usage)
+                    return reply.whole("".join(text), event)
         finally:
             watcher.cancel()
             engine.cancel(job)
@@ -292,9 +292,17 @@ class Reply:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
-    def finish_reason(self, reason: str) -> str:
-        """``tool_calls`` for a chat that ended by itself after calling a tool."""
-        return "tool_calls" if reason == "stop" and self.chat and self.splitter.calls else reason
+    def ending(self, done: Optional[eng.Finished]) -> dict:
+        """A choice's ``finish_reason`` (``tool_calls`` for a chat that ended
+        by itself after calling a tool; None before the end) and, for a reply
+        that left its grammar ("error"), the ``error`` saying why."""
+        if done is None:
+            return {"finish_reason": None}
+        reason = done.finish_reason
+        ending = {"finish_reason": "tool_calls" if reason == "stop" and self.chat and self.splitter.calls else reason}
+        if done.error:
+            ending["error"] = APIError(400, done.error, "response_format").body()["error"]
+        return ending
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -307,20 +315,19 @@ class Reply:
             return None
         return self.logprobs.chat(picked) if self.chat else self.logprobs.completion(picked)
 
-    def chunk(self, content: Union[dict, str], finish_reason: Optional[str] = None) -> dict:
-        if self.chat:
-            choice = {"index": 0, "delta": content, "logprobs": self._logprobs(), "finish_reason": finish_reason}
-            body = self._base("chat.completion.chunk") | {"choices": [choice]}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": self._logprobs(), "finish_reason": finish_reason}
-            body = self._base("text_completion") | {"choices": [choice]}
+    def chunk(self, content: Union[dict, str], done: Optional[eng.Finished] = None) -> dict:
+        """A streamed chunk; the last one (``done``) says how the reply ended."""
+        choice = {"index": 0, "delta" if self.chat else "text": content, "logprobs": self._logprobs(),
+                  **self.ending(done)}
+        body = self._base("chat.completion.chunk" if self.chat else "text_completion") | {"choices": [choice]}
         return {"data": json.dumps(body)}
 
     def usage_chunk(self, usage: eng.Usage) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {"data": json.dumps(self._base(obj) | {"choices": [], "usage": usage.to_dict()})}
 
-    def whole(self, text: str, finish_reason: str, usage: eng.Usage) -> dict:
+    def whole(self, text: str, done: eng.Finished) -> dict:
+        usage = done.usage
         if self.chat:
             parts = self.splitter.feed(text) + self.splitter.finish()
             message = {"role": "assistant", "content": parts.content or (None if parts.tool_calls else "")}
@@ -328,8 +335,7 @@ class Reply:
                 message["reasoning_content"] = parts.reasoning
             if parts.tool_calls:
                 message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in parts.tool_calls]
-            choice = {"index": 0, "message": message, "logprobs": self._logprobs(),
-                      "finish_reason": self.finish_reason(finish_reason)}
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(), **self.ending(done)}
             return self._base("chat.completion") | {"choices": [choice], "usage": usage.to_dict()}
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(), "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(), **self.ending(done)}
         return self._base("text_completion") | {"choices": [choice], "usage": usage.to_dict()}

@@ -24,7 +24,7 @@ from ..draft import subset_head
 from ..errors import DFlashError
 from ..generate import CLEAR_CACHE_EVERY, drained, request_sampler
 from ..loop import BatchDecoder, BlockSampler, Row, SamplingParams, batch_policy
-from .jobs import Delta, Event, Failed, Finished, Job, Usage, internal
+from .jobs import Delta, Event, Failed, Job, Referee, Usage, internal
 from .logprobs import picked
 from .prefix_cache import PrefixCache
 from .stops import StopMatcher
@@ -41,6 +41,7 @@ class Live:
     usage: Usage
     stops: StopMatcher
     detokenizer: object  # its own streaming detokenizer
+    referee: Referee  # whether its grammar (if any) accepts it
 
 
 class Rows:
@@ -93,6 +94,7 @@ class Rows:
             self.decoder = self._fresh()
         try:  # before the prefix cache gives up an entry for it
             sampler = request_sampler(self.tokenizer, self.target.vocab_size, **request.sampling)
+            referee = Referee(request, self.tokenizer, self.target.vocab_size)
         except DFlashError as e:
             self.end(job, Failed(400, str(e)))
             return
@@ -108,7 +110,8 @@ class Rows:
             with self.on_stream():
                 row, first = self.decoder.add(mx.array(request.prompt), sampler, request.max_tokens, context,
                                               logprobs=request.logprobs is not None, tag=job)
-                live = Live(job, row, mark, snapshot, usage, StopMatcher(request.stop), self.tokenizer.detokenizer)
+                live = Live(job, row, mark, snapshot, usage, StopMatcher(request.stop), self.tokenizer.detokenizer,
+                            referee)
                 self.live[job] = live
                 finish = self._feed(live, [first])
                 if finish:
@@ -162,6 +165,7 @@ class Rows:
         if finish:
             live.detokenizer.finalize()
         usage.completion_tokens += len(emitted)
+        live.referee.feed(emitted)
         text, stopped = live.stops.feed(live.detokenizer.last_segment)
         if finish and not stopped:
             text += live.stops.flush()
@@ -179,7 +183,7 @@ class Rows:
         context = self.decoder.remove(live.row)
         mx.eval([c.state for c in context.target + context.draft])  # its own arrays, not views of the batch's
         self.prefix_cache.put(context, live.mark, live.snapshot)
-        self._end(live, Finished(finish, live.usage, live.stops.matched))
+        self._end(live, live.referee.finished(finish, live.usage, live.stops.matched))
 
     def _end(self, live: Live, event: Event) -> None:
         del self.live[live.job]

@@ -31,7 +31,7 @@ from ..loading import load, load_draft
 from ..targets import Target
 from .batch import Rows
 # a request and its events, which the routes and the distributed engine take from here
-from .jobs import Delta, Event, Failed, Finished, Job, Request, Usage, internal  # noqa: F401
+from .jobs import Delta, Event, Failed, Finished, Job, Referee, Request, Usage, internal  # noqa: F401
 from .logprobs import picked
 from .prefix_cache import PrefixCache
 from .stops import StopMatcher
@@ -282,6 +282,7 @@ class Engine:
         context = self.prefix_cache.take(request.prompt)
         usage = Usage(len(request.prompt), cached_tokens=len(context.tokens))
         stops = StopMatcher(request.stop)
+        referee = Referee(request, self.tokenizer, self.vocab_size)
         mark, snapshot = self.prefix_cache.mark(context, request.prompt, self.tokenizer)
         finish = "cancelled"
         responses = self._stream(request.prompt, max_tokens=request.max_tokens, context=context,
@@ -293,6 +294,7 @@ class Engine:
                     usage.accepted += r.accepted
                     usage.blocks[r.block_size] = usage.blocks.get(r.block_size, 0) + 1
                 usage.completion_tokens += len(r.tokens)
+                referee.feed(r.tokens)
                 text, stopped = stops.feed(r.text)
                 if r.finish_reason and not stopped:
                     text += stops.flush()
@@ -308,4 +310,4 @@ class Engine:
             responses.close()
         # only a request that ran to a cycle boundary leaves caches worth keeping
         self.prefix_cache.put(context, mark, snapshot)
-        job.emit(Finished(finish, usage, stops.matched))
+        job.emit(referee.finished(finish, usage, stops.matched))

@@ -1,22 +1,35 @@
 """Request bodies of the OpenAI-compatible routes (pydantic).
 
 Unknown fields are ignored (clients send ``user``, ``parallel_tool_calls``...); known fields with values this server cannot honour are
-rejected by ``unsupported()`` with a message naming the field.
+rejected by ``unsupported()`` with a message naming the field. Numbers must be
+finite and switches JSON booleans (``"yes"`` is not ``true``).
 """
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from .logprobs import MAX_TOP
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def tool_problem(i: int, kind: Optional[str], kinds: tuple, runnable: str,
+                 needed: dict) -> Optional[tuple[str, str]]:
+    """(param, message) when ``tools[i]``, of type ``kind``, is not one of
+    ``kinds`` (``runnable`` says which tools can run) or lacks a field of
+    ``needed`` (name -> its value, None when missing); the same check for
+    the OpenAI and Anthropic routes' tools."""
+    if kind not in kinds:
+        return f"tools[{i}].type", f"tools[{i}]: tool type '{kind}' is not supported; only {runnable}"
+    missing = next((name for name, value in needed.items() if value is None), None)
+    return None if missing is None else (f"tools[{i}].{missing}", f"tools[{i}].{missing}: Field required")
 
 
 class StreamOptions(Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class TextPart(Body):
@@ -60,7 +73,7 @@ class Sampling(Body):
     repetition_penalty: Optional[float] = Field(None, gt=0.0)
     repetition_context_size: int = Field(20, ge=1)
     n: int = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     response_format: Optional[dict] = None  # a grammar the reply follows (dflash_mlx.structured)
 
@@ -84,9 +97,9 @@ class Sampling(Body):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: Optional[bool] = None
+    logprobs: Optional[StrictBool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)
-    enable_thinking: Optional[bool] = None
+    enable_thinking: Optional[StrictBool] = None
     chat_template_kwargs: Optional[dict] = None
     tools: Optional[list[dict]] = None  # OpenAI function schemas, handed to the chat template
     tool_choice: Union[str, dict, None] = None
@@ -95,8 +108,18 @@ class ChatRequest(Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
         for i, m in enumerate(self.messages):
-            if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
-                return f"messages[{i}].content", "only text content parts are supported"
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text":
+                    return f"messages[{i}].content", "only text content parts are supported"
+                if part.text is None:
+                    return f"messages[{i}].content[{j}].text", f"messages[{i}].content[{j}].text: Field required"
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function") if isinstance(tool.get("function"), dict) else None
+            problem = tool_problem(i, tool.get("type", "function"), ("function",),
+                                   "function tools (a function object with its name)",
+                                   {"function": function, "function.name": (function or {}).get("name")})
+            if problem:
+                return problem
         return super().unsupported()
 
     def requested_max_tokens(self) -> Optional[int]:
@@ -118,7 +141,7 @@ class ChatRequest(Sampling):
 
 class CompletionRequest(Sampling):
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: bool = False
+    echo: StrictBool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP)
