@@ -11,10 +11,12 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import validate
 from .draft import DFlashDraft, subset_head
 from .errors import DFlashError
-from .generate import SAMPLING, GenerationResult, check_pair, drained, encode_prompt, request_sampler
+from .generate import SAMPLING, GenerationResult, check_pair, drained, encode_prompt, keywords, request_sampler
 from .loop import BatchDecoder, batch_policy
 from .targets import Target, check_forward
 
+
+@keywords(*SAMPLING, "response_format")
 def batch_generate(
     model: Union[nn.Module, Target],
     draft: DFlashDraft,
@@ -37,10 +39,6 @@ def batch_generate(
     overrides them for prompt i (``response_format`` too: each row its own grammar). ``block_size``: as ``stream_generate``'s,
     chosen for the whole batch each cycle (``loop/batch_policy.py``).
     ``draft_vocab``: as ``stream_generate``'s, for every row."""
-    unknown = set(shared) - set(SAMPLING) - {"response_format"}
-    if unknown:
-        raise DFlashError(f"batch_generate() got unknown arguments {sorted(unknown)}; "
-                          f"sampling arguments are {', '.join(SAMPLING)} and response_format")
     target = model if isinstance(model, Target) else Target(model)
     check_pair(target, draft)
     if not isinstance(tokenizer, TokenizerWrapper):

@@ -5,9 +5,11 @@ with per-cycle acceptance and timing in every response.
 """
 
 import contextlib
+import functools
+import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Generator, Iterator, Optional, Union
+from typing import Callable, Generator, Iterator, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -108,15 +110,47 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt, vocab_size: int) -> mx.ar
 
 
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "repetition_context_size",
-            "presence_penalty", "frequency_penalty", "logit_bias")  # one request's sampling arguments
+            "presence_penalty", "frequency_penalty", "logit_bias",
+            "logits_processors")  # one request's sampling arguments
+SAMPLER_REFUSED = ("sampler is not accepted: speculative sampling needs the target's distribution, not a sampled "
+                   "token; pass the settings it was made from instead (temperature, top_p, top_k, min_p)")
+
+
+def refuse_unknown(what: str, given, accepted) -> None:
+    """A one-line DFlashError naming the arguments of ``given`` that ``what``
+    does not take and the ``accepted`` ones; an mlx-lm ``sampler`` is told
+    what to pass instead."""
+    unknown = [k for k in given if k not in accepted]
+    if "sampler" in unknown:
+        raise DFlashError(SAMPLER_REFUSED)
+    if unknown:
+        raise DFlashError(f"unknown arguments to {what}: {', '.join(unknown)}; "
+                          f"the accepted ones are {', '.join(dict.fromkeys(accepted))}")
+
+
+def keywords(*passed_on: str) -> Callable:
+    """Decorator: a keyword argument that is neither the function's own nor
+    one of ``passed_on`` (what its ``**`` takes) is a one-line DFlashError
+    (``refuse_unknown``), not a TypeError."""
+
+    def decorate(fn: Callable) -> Callable:
+        params = inspect.signature(fn).parameters
+        accepted = [n for n, p in params.items() if p.kind is not p.VAR_KEYWORD] + list(passed_on)
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            refuse_unknown(f"{fn.__name__}()", kwargs, accepted)
+            return fn(*args, **kwargs)
+
+        return checked
+
+    return decorate
 
 
 def request_sampler(tokenizer, vocab_size: int, response_format: Optional[dict] = None, **sampling) -> BlockSampler:
     """One request's sampler: its ``SAMPLING`` arguments, checked (one-line
     DFlashError), and its ``response_format``'s grammar."""
-    unknown = set(sampling) - set(SAMPLING)
-    if unknown:
-        raise DFlashError(f"unknown sampling arguments {sorted(unknown)}; they are {', '.join(SAMPLING)}")
+    refuse_unknown("a request's sampling", sampling, SAMPLING)
     validate.logit_bias(sampling.get("logit_bias"), vocab_size)
     constraint = structured.constraint_for(response_format, tokenizer, vocab_size)
     return BlockSampler(SamplingParams(**sampling), constraint)
@@ -134,6 +168,7 @@ def drained(stream) -> Iterator[None]:
         mx.synchronize(stream)
 
 
+@keywords()
 def stream_generate(
     model: Union[nn.Module, Target],
     draft: DFlashDraft,
@@ -152,6 +187,7 @@ def stream_generate(
     presence_penalty: Optional[float] = None,
     frequency_penalty: Optional[float] = None,
     logit_bias: Optional[dict[int, float]] = None,
+    logits_processors: Optional[list[Callable]] = None,
     context: Optional[ContextCache] = None,
     tree_budget: Optional[int] = None,
     cost_curve: Union[costs.CostCurve, Watched, None] = None,
@@ -167,7 +203,14 @@ def stream_generate(
     The output is distributed exactly as the target's own decoding with mlx-lm's
     sampler and logits processors of the same settings: at temperature 0 it is
     the target's greedy tokens; above 0, drafts pass through lossless rejection
-    sampling. ``prompt`` is a string (encoded as is, no chat template; see
+    sampling. ``logits_processors`` are mlx-lm's (``(tokens, logits) -> logits``),
+    applied after those of ``logit_bias`` and the penalties to every verified
+    position with the whole history before it, prompt included, as mlx-lm's
+    ``generate_step`` applies them; rejected drafts' positions are processed
+    too, so each must depend on its arguments alone. An mlx-lm ``sampler`` is
+    refused: rejection sampling needs the distribution, so pass ``temperature``,
+    ``top_p``, ``top_k`` and ``min_p``; so is any unknown keyword (a one-line
+    DFlashError). ``prompt`` is a string (encoded as is, no chat template; see
     ``dflash_mlx.chat``) or integer ids in a list, NumPy array or ``mx.array``.
     Generation stops at EOS (not emitted) or after exactly ``max_tokens``
     tokens. ``seed`` makes sampling reproducible. Arguments are checked by
@@ -218,6 +261,7 @@ def stream_generate(
         tokenizer, target.vocab_size, response_format, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, seed=seed, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+        logits_processors=logits_processors,
     )
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -306,6 +350,7 @@ def auto_policy(target: Target, draft: DFlashDraft,
     return AdaptiveBlock(curve, draft.config.block_size, watch=watch)
 
 
+@keywords(*inspect.signature(stream_generate).parameters)
 def generate(model, draft, tokenizer, prompt, **kwargs) -> GenerationResult:
     """Run ``stream_generate`` to the end; same arguments."""
     result = GenerationResult(text="", tokens=[])

@@ -10,6 +10,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 from test_loop import OracleProposer
+from test_tree_loop import run
 from typer.testing import CliRunner
 
 from dflash_mlx import Target, generate, load_draft, stream_generate
@@ -73,11 +74,7 @@ def test_every_acceptance_length_is_mlx_lm_with_the_same_kv_quantization(pairs, 
     for block_size, corrupt_at in [(2, None), (2, 0), (6, None), (6, 0), (6, 2)]:
         oracle = Oracle(len(PROMPT), want, corrupt_at, target.vocab_size)
         decoder = SpeculativeDecoder(target, oracle, [0], block_size, prefill_step_size=4, kv=kv)
-        out, accepted = [decoder.prefill(mx.array(PROMPT))], []
-        while len(out) < TOKENS:
-            cycle = decoder.cycle()
-            out += cycle.tokens
-            accepted.append(cycle.accepted)
+        out, accepted = run(decoder, PROMPT, TOKENS)
         assert out[:TOKENS] == want[:TOKENS], (block_size, corrupt_at)
         if corrupt_at != 0:
             assert max(accepted) > 0

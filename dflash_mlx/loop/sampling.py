@@ -7,13 +7,15 @@ means what it means in mlx-lm: top-p, then min-p, then top-k on the untempered
 log-probabilities, then the temperature.
 """
 
+import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from .. import validate
+from ..errors import DFlashError
 from ..structured import Constraint
 from .verify import greedy_verify, sampled_verify
 
@@ -34,14 +36,23 @@ class SamplingParams:
     frequency_penalty: Optional[float] = None
     frequency_context_size: int = 20
     logit_bias: Optional[dict[int, float]] = field(default=None)
+    logits_processors: Optional[list[Callable]] = None  # the caller's mlx-lm ones, after the above
 
     def validate(self) -> None:
-        """One-line DFlashError for a value out of range (the rules of ``validate.RULES``)."""
+        """One-line DFlashError for a value out of range (the rules of
+        ``validate.RULES``) or logits processors that are not a list of functions."""
         validate.options({k: v for k, v in vars(self).items() if k in validate.RULES})
+        extra = self.logits_processors
+        if extra is not None and not (isinstance(extra, (list, tuple)) and all(map(callable, extra))):
+            raise DFlashError("logits_processors must be a list of functions (tokens, logits) -> logits, "
+                              f"as mlx-lm's, got {extra!r}")
 
     @property
     def context_size(self) -> int:
-        """How many trailing tokens the logits processors can look at."""
+        """How many trailing tokens the logits processors can look at: all
+        of them for the caller's, which mlx-lm hands the whole history."""
+        if self.logits_processors:
+            return sys.maxsize
         sizes = [
             (self.repetition_penalty, self.repetition_context_size),
             (self.presence_penalty, self.presence_context_size),
@@ -86,7 +97,7 @@ class BlockSampler:
             params.presence_context_size,
             params.frequency_penalty,
             params.frequency_context_size,
-        )
+        ) + list(params.logits_processors or [])
         seed = params.seed if params.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
         self.key = mx.random.key(seed)
 
