@@ -45,7 +45,7 @@ def test_the_readme_demo_rows_are_the_stored_run(arm):
 
 @pytest.mark.parametrize("arm", sorted(ARMS))
 def test_the_benchmarks_table_is_the_stored_run(arm):
-    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    text = (ROOT / "docs/benchmarks.md").read_text()
     section = text[text.index("## Results on the demo pair (CPU)") :]
     label = "DFlash auto" if arm == "auto" else f"DFlash b={arm}"
     row = rows(section[: section.index("\n\n", section.index("| arm |"))], label)[label]
