@@ -86,6 +86,7 @@ def sample_rows(model, make_sampler=BlockSampler):
     return {tag: np.array(t) for tag, t in tokens.items()}, np.array(accepted)
 
 
+@pytest.mark.statistical
 def test_each_row_follows_its_own_targets_distribution(model):
     tokens, accepted = sample_rows(model)
     for tag, params in ROWS.items():
@@ -94,6 +95,7 @@ def test_each_row_follows_its_own_targets_distribution(model):
     assert (accepted >= 1).mean() > 0.2, "drafts must often be accepted for this to bite"
 
 
+@pytest.mark.statistical
 def test_a_wrong_rule_in_one_row_is_caught(model):
     """The negative control: row "a" verifies with a wrong rule; its (x1, x2)
     pair fails the same test, while row "b" beside it still passes."""

@@ -18,6 +18,8 @@ from dflash_mlx.draft.selector import scatter
 from dflash_mlx.loop.sampling import SamplingParams
 from test_sampling import BLOCK, V, build_target, exact_joint, model, pvalues, sample  # noqa: F401 (model: the fixture)
 
+pytestmark = pytest.mark.statistical
+
 # the target's p warped by top-k too (q never is): drafts outside p's support are always rejected
 PARAMS = SamplingParams(temperature=1.0, top_k=4)
 ALPHA = 1e-3 / 4  # Bonferroni over the four chi-square tests

@@ -146,6 +146,7 @@ class SubsetProposer(sampled.NoisyTargetProposer):
         return 0.8 * logits, mx.argmax(logits).item()
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("name", ["topp0.9"])
 def test_sampling_with_a_reduced_vocabulary_follows_the_targets_distribution(model, name):  # noqa: F811
     params = sampled.CONFIGS[name]

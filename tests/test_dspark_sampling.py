@@ -18,6 +18,8 @@ from dflash_mlx.loop.sampling import SamplingParams, warp
 from test_dspark import write_dspark_draft
 from test_sampling import BLOCK, V, build_target, exact_joint, model, pvalues, sample  # noqa: F401 (model: the fixture)
 
+pytestmark = pytest.mark.statistical
+
 PARAMS = SamplingParams(temperature=1.0, top_k=3)  # q is truncated like p
 ALPHA = 1e-3 / 3  # Bonferroni over the three chi-square tests
 RUNS = 200

@@ -97,6 +97,7 @@ class Processed:
         return mx.concatenate([self.processor(ids[i], logits[i : i + 1]) for i in range(ids.shape[0])])[:, None]
 
 
+@pytest.mark.statistical
 def test_samples_follow_the_processed_targets_distribution(model):  # noqa: F811 (the fixture)
     """300 runs are plenty: enumerated on this fixture, the (x1, x2) cells'
     noncentrality at 300 samples is about 260 with the processor left out,

@@ -16,6 +16,8 @@ from checkpoints import build_target
 from dflash_mlx import Target
 from dflash_mlx.loop.sampling import SamplingParams
 
+pytestmark = pytest.mark.statistical
+
 RUNS = 300
 PARAMS = {"gemma4": SamplingParams(temperature=1.0), "qwen3_next": SamplingParams(temperature=0.7, top_k=4)}
 ALPHA = 1e-3 / (4 * (len(PARAMS) + 1))  # Bonferroni over this file's chi-square tests

@@ -196,6 +196,7 @@ def pvalues(tokens, joint):
             for name, cols in tests.items() if max(cols) < tokens.shape[1]}
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_samples_follow_the_targets_distribution(model, name):
     params = CONFIGS[name]
@@ -218,6 +219,7 @@ class PlainThenBlock:
         pass
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_plain_steps_follow_the_targets_distribution(model, name):
     """A plain step (b = 1, the adaptive block's fallback) draws the target's
@@ -228,6 +230,7 @@ def test_plain_steps_follow_the_targets_distribution(model, name):
         assert p > ALPHA, f"{name}: {position} deviates from the target (p = {p:.2e})"
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("rule", list(WRONG_RULES))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_wrong_acceptance_rules_are_caught(model, name, rule):
@@ -258,6 +261,7 @@ def test_wrong_acceptance_rules_are_caught(model, name, rule):
     assert p < 1e-6, f"{name}: {rule} not caught (p = {p:.2e})"
 
 
+@pytest.mark.statistical
 def test_rejection_sampling_accepts_more_than_sample_and_match(model):
     params = CONFIGS["t1.0"]
     _, rejection = sample(model, params, proposer=NoisyTargetProposer, runs=150, positions=8)

@@ -73,6 +73,7 @@ def sample(model, params, decoder=TreeDecoder, runs=RUNS, positions=chain.POSITI
     return np.array(tokens), np.array(accepted)
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tree_samples_follow_the_targets_distribution(model, name):
     params = CONFIGS[name]
@@ -82,6 +83,7 @@ def test_tree_samples_follow_the_targets_distribution(model, name):
         assert p > ALPHA, f"{name}: {position} deviates from the target (p = {p:.2e})"
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_draft_q_rule_on_fixed_children_is_caught(model, name):
     params = CONFIGS[name]
