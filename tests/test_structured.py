@@ -344,6 +344,7 @@ def constrained_joint(model, params, prompt, depth):
     return joint
 
 
+@pytest.mark.statistical
 def test_samples_follow_the_constrained_targets_distribution(model):
     params = SamplingParams(temperature=1.0)
     tokens, accepted = sample(model, params, make_sampler=lambda p: BlockSampler(p, letter_constraint()),
