@@ -11,7 +11,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import validate
 from .draft import DFlashDraft, subset_head
 from .errors import DFlashError
-from .generate import SAMPLING, GenerationResult, check_pair, drained, encode_prompt, keywords, request_sampler
+from .generate import (SAMPLING, GenerationResult, check_pair, drained, encode_prompt, ending, keywords,
+                       request_sampler)
 from .loop import BatchDecoder, batch_policy
 from .targets import Target, check_forward
 
@@ -72,7 +73,7 @@ def batch_generate(
         result = results[i]
         for token in tokens:
             if token in eos:
-                result.finish_reason = "stop"
+                result.finish_reason, result.error = ending("stop", samplers[i])
                 return True
             result.tokens.append(token)
             if len(result.tokens) == limits[i]:

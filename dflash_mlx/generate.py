@@ -45,10 +45,11 @@ class GenerationResponse:
     generation_tokens: int  # emitted so far
     generation_tps: float
     peak_memory: float  # GB, from mx.get_peak_memory
-    finish_reason: Optional[str] = None  # "stop" | "length" | None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "error" (see ``error``) | None
     block_size: int = 0  # block verified this cycle (0 for the prefill token, 1: a plain target step)
     drafted: int = 0  # the first ``drafted`` of ``tokens`` are accepted drafts; the rest are the target's own
     logprobs: Optional[mx.array] = None  # [len(tokens), V] the target's log-probabilities there (logprobs=True)
+    error: Optional[str] = None  # why a reply under ``response_format`` stopped short of its grammar
 
 
 @dataclass
@@ -60,6 +61,7 @@ class GenerationResult:
     acceptance_lengths: list[int] = field(default_factory=list)  # a+1 per cycle
     block_sizes: list[int] = field(default_factory=list)  # the block of each cycle
     finish_reason: Optional[str] = None
+    error: Optional[str] = None  # with finish_reason "error": why the reply stopped short of its grammar
     prompt_tokens: int = 0
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
@@ -299,7 +301,7 @@ def stream_generate(
         tic = time.perf_counter()
         accepted = generated = used = 0
         while True:
-            emitted, finish = [], None
+            emitted, finish, error = [], None, None
             for token in committed:
                 if token in eos:
                     finish = "stop"
@@ -312,6 +314,7 @@ def stream_generate(
                 detokenizer.add_token(token)
             if finish:
                 detokenizer.finalize()
+                finish, error = ending(finish, sampler)
             generated += len(emitted)
             yield GenerationResponse(
                 text=detokenizer.last_segment,
@@ -326,6 +329,7 @@ def stream_generate(
                 block_size=used,
                 drafted=min(accepted, len(emitted)),
                 logprobs=None if decoder.logprobs is None else decoder.logprobs[: len(emitted)],
+                error=error,
             )
             if finish:
                 return
@@ -334,6 +338,15 @@ def stream_generate(
             committed, accepted = cycle.tokens, cycle.accepted
             if (generated + len(committed)) // CLEAR_CACHE_EVERY > generated // CLEAR_CACHE_EVERY:
                 mx.clear_cache()
+
+
+def ending(finish: str, sampler: BlockSampler) -> tuple[str, Optional[str]]:
+    """(finish reason, error) of a reply that ended with ``finish``: "error"
+    and why where it ended at EOS short of its ``response_format``'s grammar
+    (the grammar went no further), else ``finish`` and None."""
+    constraint = sampler.constraint
+    error = constraint.verdict() if finish == "stop" and constraint is not None else None
+    return ("error", error) if error else (finish, None)
 
 
 def auto_policy(target: Target, draft: DFlashDraft,
@@ -360,7 +373,7 @@ def generate(model, draft, tokenizer, prompt, **kwargs) -> GenerationResult:
         if i > 0:
             result.acceptance_lengths.append(r.accepted + 1)
             result.block_sizes.append(r.block_size)
-        result.finish_reason = r.finish_reason
+        result.finish_reason, result.error = r.finish_reason, r.error
         result.prompt_tokens = r.prompt_tokens
         result.prompt_tps = r.prompt_tps
         result.generation_tps = r.generation_tps

@@ -156,9 +156,11 @@ class Constraint:
             self.after, tokens = [], tokens[end:]
         self.matcher.rollback(len(self.ahead))
         self.ahead = []
-        # tokens after the grammar's end are not consumed (generation stops at its EOS)
+        # tokens after the grammar's end are not consumed (generation stops at its EOS), nor an EOS
+        # the grammar does not take: the only token allowed where it went no further (``verdict`` says why)
         consumed = self.matcher.try_consume_tokens(tokens)
-        if consumed < len(tokens) and not self.matcher.is_stopped() and self.failure is None:
+        left = consumed < len(tokens) and not self.matcher.is_stopped() and not self.eos[tokens[consumed]]
+        if left and self.failure is None:
             self.failure = self._error() or f"token {tokens[consumed]} of the reply is outside the grammar"
 
     def _error(self) -> Optional[str]:

@@ -17,7 +17,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
+from mlx_lm import load as mlx_lm_load
+
 from checkpoints import write_target
+from dflash_mlx import batch_generate, generate, load_draft
 from dflash_mlx.structured import constraint_for
 from test_server import running_server
 
@@ -126,3 +129,20 @@ def test_a_committed_token_outside_the_grammar_ends_the_reply(tokenizer):
     constraint.commit(mx.array([8]))  # "hello"
     assert constraint.allowed([]).tolist() == [t == 2 for t in range(VOCAB)]
     assert constraint.verdict() == "response_format: the reply stopped short of its grammar: token 8 of the reply is outside the grammar"
+
+
+def test_the_python_api_says_when_a_reply_stops_short_of_its_grammar(target, draft_dir):
+    """``generate`` and ``batch_generate``: the same mid-reply dead end ends
+    with finish_reason "error" and the verdict, not "stop"; a reply the grammar
+    accepts whole still ends with "stop"."""
+    model, tokenizer = mlx_lm_load(str(target))
+    draft = load_draft(str(draft_dir("llama", block_size=4)))
+    stuck, whole = {"type": "regex", "regex": "today!"}, {"type": "regex", "regex": "today"}
+    reply = generate(model, draft, tokenizer, [7, 8], max_tokens=16, block_size=4, response_format=stuck)
+    assert (reply.tokens, reply.finish_reason) == ([7], "error")
+    assert reply.error == ("response_format: the reply stopped short of its grammar: "
+                           "no token of this tokenizer can continue it")
+    replies = batch_generate(model, draft, tokenizer, [[7, 8], [8, 7]], max_tokens=16, block_size=4,
+                             sampling=[{"response_format": stuck}, {"response_format": whole}])
+    assert [(r.tokens, r.finish_reason, r.error) for r in replies] == [
+        ([7], "error", reply.error), ([7], "stop", None)]

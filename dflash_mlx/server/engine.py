@@ -31,7 +31,7 @@ from ..loading import load, load_draft
 from ..targets import Target
 from .batch import Rows
 # a request and its events, which the routes and the distributed engine take from here
-from .jobs import Delta, Event, Failed, Finished, Job, Referee, Request, Usage, internal  # noqa: F401
+from .jobs import Delta, Event, Failed, Finished, Job, Request, Usage, internal  # noqa: F401
 from .logprobs import picked
 from .prefix_cache import PrefixCache
 from .stops import StopMatcher
@@ -282,9 +282,8 @@ class Engine:
         context = self.prefix_cache.take(request.prompt)
         usage = Usage(len(request.prompt), cached_tokens=len(context.tokens))
         stops = StopMatcher(request.stop)
-        referee = Referee(request, self.tokenizer, self.vocab_size)
         mark, snapshot = self.prefix_cache.mark(context, request.prompt, self.tokenizer)
-        finish = "cancelled"
+        finish, error = "cancelled", None
         responses = self._stream(request.prompt, max_tokens=request.max_tokens, context=context,
                                  logprobs=request.logprobs is not None, **request.sampling)
         try:
@@ -294,15 +293,14 @@ class Engine:
                     usage.accepted += r.accepted
                     usage.blocks[r.block_size] = usage.blocks.get(r.block_size, 0) + 1
                 usage.completion_tokens += len(r.tokens)
-                referee.feed(r.tokens)
                 text, stopped = stops.feed(r.text)
                 if r.finish_reason and not stopped:
                     text += stops.flush()
                 picks = [] if r.logprobs is None else picked(r.logprobs, r.tokens, request.logprobs)
                 if text or picks:
                     job.emit(Delta(text, picks))
-                if stopped or r.finish_reason:
-                    finish = "stop" if stopped else r.finish_reason
+                if stopped or r.finish_reason:  # stream_generate says "error" where a grammar went no further
+                    finish, error = ("stop", None) if stopped else (r.finish_reason, r.error)
                     break
                 if self._cancelled(job):
                     break
@@ -310,4 +308,4 @@ class Engine:
             responses.close()
         # only a request that ran to a cycle boundary leaves caches worth keeping
         self.prefix_cache.put(context, mark, snapshot)
-        job.emit(referee.finished(finish, usage, stops.matched))
+        job.emit(Finished(finish, usage, stops.matched, error))
