@@ -3,7 +3,7 @@
 ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` and
 ``POST /v1/completions``, streamed as server-sent events (sse-starlette,
 ending with ``data: [DONE]``) or not; Anthropic's ``POST /v1/messages`` is
-registered from ``anthropic``. A chat reply comes split into
+registered from ``anthropic``, OpenAI's ``POST /v1/responses`` from ``responses``. A chat reply comes split into
 ``content``, ``reasoning_content`` and ``tool_calls`` (``parts``). Every
 request is checked before it is queued, so bad input gets a 4xx with an
 OpenAI-shaped error and never reaches the worker. Prompts are tokenized on a thread of their own, so a long one never
@@ -32,7 +32,7 @@ from .. import structured, validate
 from ..errors import DFlashError
 from ..loop import SamplingParams
 from ..precision import dtype_name
-from . import anthropic
+from . import anthropic, responses
 from . import engine as eng
 from .errors import APIError
 from .logprobs import Logprobs, Picked
@@ -179,13 +179,19 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        ids = await _tokenized(chat_ids, engine.tokenizer, _checked(body), settings.enable_thinking)
-        return await _complete(body, ids, request, ReplySplitter(engine.tokenizer, ids, body.called_tools()))
+        job, splitter = await _chat(body)
+        return await _complete(body, job, request, splitter)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         ids = await _tokenized(completion_ids, engine.tokenizer, _checked(body), engine.vocab_size)
-        return await _complete(body, ids, request, None)
+        return await _complete(body, await _queued(body, ids, None), request, None)
+
+    async def _chat(body: ChatRequest) -> tuple[eng.Job, ReplySplitter]:
+        """A chat request checked, through its template and queued, with the splitter of its reply."""
+        ids = await _tokenized(chat_ids, engine.tokenizer, _checked(body), settings.enable_thinking)
+        splitter = ReplySplitter(engine.tokenizer, ids, body.called_tools())
+        return await _queued(body, ids, splitter), splitter
 
     async def _tokenized(prompt_ids, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(tokenizing, prompt_ids, *args)
@@ -196,14 +202,17 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             raise APIError(400, problem[1], problem[0], "unsupported_value")
         return body
 
-    async def _complete(body: Sampling, ids: list[int], request: Request, splitter: Optional[ReplySplitter]):
-        """Run the request; a chat one (with a ``splitter``) replies in parts."""
+    async def _queued(body: Sampling, ids: list[int], splitter: Optional[ReplySplitter]) -> eng.Job:
+        """The request's job, once its ``response_format`` compiles (for a chat, after any thinking block)."""
         if body.response_format is not None:  # compiled off the event loop, like prompts
             if splitter is not None and initial_state(engine.tokenizer, ids) == "reasoning":
                 # the prompt leaves a thinking block open: the grammar holds the answer after it
                 body.response_format = {"after": engine.tokenizer.think_end, **body.response_format}
             await _tokenized(_check_format, body.response_format, engine.tokenizer, engine.vocab_size)
-        job = _submit(body, ids)
+        return _submit(body, ids)
+
+    async def _complete(body: Sampling, job: eng.Job, request: Request, splitter: Optional[ReplySplitter]):
+        """Run the request's job; a chat one (with a ``splitter``) replies in parts."""
         logprobs = None if body.top_logprobs_asked() is None else Logprobs(engine.tokenizer)
         reply = Reply(settings.model_name, splitter, fingerprint, logprobs)
         if body.stream:
@@ -276,6 +285,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
 
     anthropic.add_routes(app, engine, settings.model_name, settings.enable_thinking,
                          tokenized=_tokenized, submit=_submit, watch=_cancel_on_disconnect)
+    responses.add_routes(app, engine, settings.model_name, chat=_chat, watch=_cancel_on_disconnect)
     return app
 
 
