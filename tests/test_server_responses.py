@@ -123,6 +123,12 @@ def test_text_and_reasoning_equal_the_chat_routes_reply(client, streamed):
     assert 0 < reply.usage.output_tokens_details.reasoning_tokens < reply.usage.output_tokens
 
 
+def test_reasoning_effort_none_turns_thinking_off(client):
+    reply = client.responses.create(model="any", input=ASK, max_output_tokens=32, reasoning={"effort": "none"})
+    assert [i.type for i in reply.output] == ["message"] and reply.output_text == CALLED.lstrip()
+    assert reply.usage.output_tokens_details.reasoning_tokens == 0
+
+
 def test_a_streamed_reply_comes_in_openais_event_order(server):
     events = stream(server, {"input": ASK, "max_output_tokens": 32})
     assert kinds(events) == ["response.created", "response.in_progress", *item("reasoning", *REASONING_EVENTS),

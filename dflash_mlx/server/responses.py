@@ -10,7 +10,9 @@ grammar, queue, engine, prefix cache and reply splitter. A custom (freeform)
 tool, such as Codex's ``apply_patch``, is offered to the model as a function
 of one string argument, ``input``, and its calls come back as
 ``custom_tool_call`` items; hosted tool types (web search, ...) are ignored.
-The reply comes back as reasoning, message and call items (``responses_stream``).
+The reply comes back as reasoning, message and call items (``responses_stream``);
+a stream with nothing to say for ``HEARTBEAT`` seconds (a long prefill) repeats
+``response.in_progress``, so clients' idle timeouts do not fire.
 
 Stateless by default: a request with ``"store": true`` is kept (its items and
 its output, the last ``STORED`` of them) so a later one can name it in
@@ -35,6 +37,7 @@ from .schemas import ChatRequest, Sampling
 
 ROUTE = "/v1/responses"
 STORED = 256  # responses kept for previous_response_id
+HEARTBEAT = 10.0  # seconds without an event after which a stream repeats response.in_progress
 TEXT_PARTS = ("input_text", "output_text")
 # the chat route's names of fields and the Responses API's
 RENAMED = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
@@ -262,8 +265,15 @@ def add_routes(app: FastAPI, engine: eng.Engine, model_name: str, chat, watch) -
         try:
             for event in reply.start():
                 yield event
-            async for event in job.stream():
+            while True:
+                try:
+                    event = await asyncio.wait_for(job.events.get(), HEARTBEAT)
+                except asyncio.TimeoutError:  # a long prefill: say it is still in progress
+                    yield reply.in_progress()
+                    continue
                 for step in reply.step(event):
                     yield step
+                if not isinstance(event, eng.Delta):
+                    return
         finally:  # also when the client disconnects: the slot is freed at once
             engine.cancel(job)

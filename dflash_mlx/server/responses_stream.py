@@ -52,8 +52,10 @@ class ResponseReply:
         self.on_done: Optional[Callable[[list[dict]], None]] = None
 
     def start(self) -> list[dict]:
-        return [self._event("response.created", response=self.response),
-                self._event("response.in_progress", response=self.response)]
+        return [self._event("response.created", response=self.response), self.in_progress()]
+
+    def in_progress(self) -> dict:
+        return self._event("response.in_progress", response=self.response)
 
     def step(self, event: eng.Event) -> list[dict]:
         """The events one of the job's events makes."""
