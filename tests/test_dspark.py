@@ -124,7 +124,7 @@ WRONG = {
     "embedding output": (lambda cfg: cfg.update(target_layer_ids=[-1, 3]), "embedding output"),
     "last layer": (lambda cfg: cfg.update(target_layer_ids=[1, 5]), "must increase"),
     "gemma4": (lambda cfg: cfg.update(architectures=["Gemma4DSparkModel"]), "not supported yet"),
-    "speculators": (lambda cfg: cfg.update(speculators_config={}), "not supported yet"),
+    "speculators eagle3": (lambda cfg: cfg.update(speculators_config={"algorithm": "eagle3"}), "not a DSpark draft"),
 }
 
 
@@ -142,18 +142,24 @@ def rms(x, w, eps=1e-6):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def rope(x, positions, theta):
-    """Split-half RoPE of x [T, heads, d] at absolute positions [T]."""
+def rope(x, positions, theta, interleaved=False):
+    """RoPE of x [T, heads, d] at absolute positions [T]: split-half pairs (i, i + d/2),
+    or interleaved pairs (2i, 2i + 1)."""
     d = x.shape[-1]
     angles = positions[:, None] * theta ** (-np.arange(0, d, 2) / d)
     cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
-    a, b = x[..., : d // 2], x[..., d // 2 :]
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : d // 2], x[..., d // 2 :])
+    if interleaved:
+        return np.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(x.shape)
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
-def reference(w, cfg, features, anchor, slot0=True, markov=True, shift=0, cumulative=False):
+def reference(w, cfg, features, anchor, slot0=True, markov=True, shift=0, cumulative=False, interleaved=False,
+              kept=None):
     """(U [gamma, V], greedy drafts [gamma], c [gamma]) of DeepSpec's equations in
-    float64 from the checkpoint's tensors ``w``; the keywords mutate them."""
+    float64 from the checkpoint's tensors ``w``; the keywords mutate them, or
+    describe the packaging: interleaved RoPE, a reduced vocabulary (``kept``, the
+    target ids W2's rows and the drafts cover; U is -inf elsewhere)."""
     T, gamma, theta = features.shape[0], cfg["block_size"], cfg["rope_theta"]
     nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     ids = [anchor] + [cfg["mask_token_id"]] * (gamma - 1 + (not slot0))
@@ -164,8 +170,8 @@ def reference(w, cfg, features, anchor, slot0=True, markov=True, shift=0, cumula
         p = lambda name: w[f"layers.{i}.{name}.weight"]
         h = rms(x, p("input_layernorm"))
         heads = lambda y, proj, n: (y @ p(f"self_attn.{proj}").T).reshape(len(y), n, d)
-        q = rope(rms(heads(h, "q_proj", nh), p("self_attn.q_norm")), pos_blk, theta)
-        k = np.concatenate([rope(rms(heads(src, "k_proj", nkv), p("self_attn.k_norm")), pos, theta)
+        q = rope(rms(heads(h, "q_proj", nh), p("self_attn.q_norm")), pos_blk, theta, interleaved)
+        k = np.concatenate([rope(rms(heads(src, "k_proj", nkv), p("self_attn.k_norm")), pos, theta, interleaved)
                             for src, pos in ((ctx, pos_ctx), (h, pos_blk))])
         v = np.concatenate([heads(ctx, "v_proj", nkv), heads(h, "v_proj", nkv)])
         out = np.empty_like(q)
@@ -180,6 +186,10 @@ def reference(w, cfg, features, anchor, slot0=True, markov=True, shift=0, cumula
     hidden = rms(x, w["norm.weight"])[0 if slot0 else 1 :]
     U = hidden @ w["lm_head.weight"].T
     W1, W2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+    if kept is not None:  # W2 has a row per kept id
+        U = np.where(np.isin(np.arange(U.shape[-1]), kept), U, -np.inf)
+        W2 = np.zeros((U.shape[-1], W2.shape[1]))
+        W2[kept] = w["markov_head.markov_w2.weight"]
     previous, drafts, c = anchor, [], []
     for k in range(gamma):
         z = U[k] + (W2 @ W1[previous] if markov else 0.0)

@@ -1,7 +1,7 @@
 """The DFlash drafts: the v1 network and its config (``model.py``), DFlash2's
 conv-wrapped network (``dflash2.py``) and its candidate selector
 (``selector.py``), DSpark's network with its Markov and confidence heads
-(``dspark.py``), each layer's context cache (``cache.py``), the stacked KV
+(``dspark.py``) and the packagings it reads (``dspark_packaging.py``), each layer's context cache (``cache.py``), the stacked KV
 injection (``injection.py``) and the reduced drafting vocabulary
 (``vocab.py``). Modules outside this folder use what is named here."""
 

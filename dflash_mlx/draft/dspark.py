@@ -1,6 +1,6 @@
-"""DSpark drafts in DeepSpec's packaging (``architectures: ["Qwen3DSparkModel"]``):
-DFlash v1's backbone with the anchor as prediction slot 0, a Markov head and a
-confidence head. See docs/dspark.md.
+"""DSpark drafts: DFlash v1's backbone with the anchor as prediction slot 0, a
+Markov head and a confidence head, in DeepSpec's layout (the other packagings
+are read into it: ``dspark_packaging.py``). See docs/dspark.md.
 
 With gamma the checkpoint's ``block_size``, the block [x_0, m, ..., m] (gamma
 ids, x_0 the anchor) sits at positions p..p+gamma-1 right after the context and
@@ -13,7 +13,10 @@ the walk goes left to right from x_0::
     c_k = sigmoid(w . [h_k ; W1[x_{k-1}]] + b)   (the confidence head)
 
 Our ``block_size`` is the verified width gamma + 1 (the anchor and its gamma
-drafts), as for the other drafts; nothing drafts wider than gamma.
+drafts), as for the other drafts; nothing drafts wider than gamma. With a
+reduced drafting vocabulary (speculators' ``draft_vocab_size`` N), U_k and the
+Markov term cover N target ids only (W2 has N rows; W1 is indexed by target
+ids) and every other id gets -inf, as with ``vocab.py``'s reduced vocabulary.
 """
 
 from dataclasses import dataclass, fields
@@ -21,46 +24,48 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.rope_utils import initialize_rope
 
 from . import dflash2
+from .dspark_packaging import DEEPSPEC as ARCHITECTURE
+from .dspark_packaging import deepspec_layout, packaging
 from .model import FULL, DFlashDraft, DraftConfig
+from .vocab import SubsetHead, head_over, place
 from ..errors import DFlashError
 
-ARCHITECTURE = "Qwen3DSparkModel"
-# DSpark packagings this module does not load yet (docs/dspark.md, "Refused layouts")
-NOT_YET = ("Gemma4DSparkModel", "Lfm2DSparkDraftModel")
 # keys every DeepSpec config carries (its model asserts on them; there are no defaults)
 REQUIRED = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "num_anchors",
             "enable_confidence_head", "markov_rank")
 _HEAD_KEYS = ("num_anchors", "enable_confidence_head", "confidence_head_with_markov", "markov_rank",
               "markov_head_type")
-# the target's own embedding and head: DeepSpec stores frozen copies, the draft borrows the target's
-BORROWED = ("embed_tokens.", "lm_head.")
+# frozen copies of the target's embedding and head (speculators' head: its rows at the
+# draft's ids) and speculators' target-to-draft mask: the draft borrows the target's own
+BORROWED = ("embed_tokens.", "lm_head.", "verifier_", "t2d")
 
 
 def is_dspark(config: dict[str, Any]) -> bool:
-    """Whether a draft config.json names DeepSpec's Qwen3 DSpark architecture
+    """Whether a draft config.json is a DSpark draft in a published packaging
     (DFlashError for a DSpark packaging not supported yet)."""
-    names = config.get("architectures") or []
-    later = [f"{n} (DSpark)" for n in names if n in NOT_YET] + ["speculators-format"] * ("speculators_config" in config)
-    if later:
-        raise DFlashError(f"{later[0]} drafts are not supported yet; "
-                          f"a DSpark draft must be a {ARCHITECTURE} (DeepSpec's Qwen3 packaging)")
-    return ARCHITECTURE in names
+    return packaging(config) is not None
 
 
 @dataclass
 class DSparkConfig(DraftConfig):
-    """A DraftConfig (``block_size`` = gamma + 1) plus the DSpark heads' keys."""
+    """A DraftConfig (``block_size`` = gamma + 1) plus the DSpark heads' keys,
+    the RoPE layout and the reduced drafting vocabulary's size (None: all ids)."""
 
     num_anchors: int = 0  # training only, but DeepSpec requires it
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     markov_rank: int = 0  # 0: no Markov head, z_k = U_k
     markov_head_type: str = "vanilla"
+    rope_traditional: bool = False  # interleaved pairs (``rope_is_neox_style: false``)
+    draft_vocab_size: Optional[int] = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "DSparkConfig":
+        cfg = deepspec_layout(cfg)
         missing = [key for key in REQUIRED if key not in cfg]
         if int(cfg.get("markov_rank") or 0) > 0 and "markov_head_type" not in cfg:
             missing.append("markov_head_type")
@@ -89,6 +94,8 @@ class DSparkConfig(DraftConfig):
             confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", False)),
             markov_rank=int(cfg["markov_rank"]),
             markov_head_type=str(cfg.get("markov_head_type", "vanilla")),
+            rope_traditional=cfg.get("rope_is_neox_style", True) is False,
+            draft_vocab_size=None if cfg.get("draft_vocab_size") is None else int(cfg["draft_vocab_size"]),
         )
         config.validate()
         return config
@@ -109,6 +116,9 @@ class DSparkConfig(DraftConfig):
             raise DFlashError("DSpark draft config has confidence_head_with_markov but markov_rank 0")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DFlashError(f"DSpark draft mask_token_id {self.mask_token_id} is outside the vocabulary")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size < self.vocab_size:
+            raise DFlashError(f"DSpark draft draft_vocab_size {self.draft_vocab_size} must be from 1 to "
+                              f"{self.vocab_size - 1} (the target's vocabulary is {self.vocab_size})")
 
     def to_dict(self) -> dict[str, Any]:
         """DeepSpec's layout: the trained block and every key flat."""
@@ -116,16 +126,21 @@ class DSparkConfig(DraftConfig):
         dflash = cfg.pop("dflash_config")
         cfg.update(dflash, architectures=[ARCHITECTURE], tie_word_embeddings=False, block_size=self.block_size - 1)
         cfg.update({key: getattr(self, key) for key in _HEAD_KEYS})
+        if self.rope_traditional:
+            cfg["rope_is_neox_style"] = False
+        if self.draft_vocab_size is not None:
+            cfg["draft_vocab_size"] = self.draft_vocab_size
         return cfg
 
 
 class MarkovHead(nn.Module):
-    """The vanilla Markov head: the bias W2 W1[x] after token x (names as DeepSpec's)."""
+    """The vanilla Markov head: the bias W2 W1[x] over ``out_size`` drafted ids
+    after target id x (names as DeepSpec's)."""
 
-    def __init__(self, vocab_size: int, rank: int):
+    def __init__(self, vocab_size: int, rank: int, out_size: int):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_size, bias=False)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         return self.markov_w2(self.markov_w1(tokens))
@@ -143,19 +158,56 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDraft(DFlashDraft):
-    """The DSpark network: v1's context path and attention, unmasked, plus its heads."""
+    """The DSpark network: v1's context path and attention, unmasked, plus its
+    heads; ``d2t`` (a reduced drafting vocabulary only) maps the draft's index d
+    to target id d + d2t[d], as the speculators format stores it."""
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
-        r = config.markov_rank
-        self.markov_head = MarkovHead(config.vocab_size, r) if r else None
+        r, reduced = config.markov_rank, config.draft_vocab_size
+        if config.rope_traditional:
+            for layer in self.layers:
+                layer.self_attn.rope = initialize_rope(config.head_dim, config.rope_theta, True, config.rope_scaling,
+                                                       config.max_position_embeddings)
+        self.markov_head = MarkovHead(config.vocab_size, r, reduced or config.vocab_size) if r else None
         width = config.hidden_size + (r if config.confidence_head_with_markov else 0)
         self.confidence_head = ConfidenceHead(width) if config.enable_confidence_head else None
+        self.d2t = None if reduced is None else mx.zeros((reduced,), dtype=mx.int64)
 
-    @staticmethod
-    def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Without DeepSpec's copies of the target's embedding and head (``BORROWED``)."""
-        return {name: w for name, w in weights.items() if not name.startswith(BORROWED)}
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Names without a ``model.`` prefix (LiquidAI's), and without the
+        borrowed copies (``BORROWED``); a reduced vocabulary's d2t map checked."""
+        named = {name.removeprefix("model."): w for name, w in weights.items()}
+        kept = {name: w for name, w in named.items() if not name.startswith(BORROWED)}
+        if self.d2t is not None:
+            n, vocab = self.d2t.size, self.config.vocab_size
+            d2t = np.array(kept["d2t"], dtype=np.int64) if "d2t" in kept else np.zeros(0, dtype=np.int64)
+            ids = np.arange(d2t.size) + d2t
+            if ids.shape != (n,) or (ids[1:] <= ids[:-1]).any() or ids[0] < 0 or ids[-1] >= vocab:
+                raise DFlashError(f"DSpark draft's d2t map does not give {n} increasing ids below {vocab} "
+                                  "(draft index d stands for target id d + d2t[d]); re-export the draft")
+        return kept
+
+    @property
+    def vocab_ids(self) -> Optional[mx.array]:
+        """The target ids [N] a reduced drafting vocabulary covers (None: all)."""
+        return None if self.d2t is None else mx.arange(self.d2t.size) + self.d2t.astype(mx.int32)
+
+    def drafting_head(self, target: Any, head: Optional[SubsetHead]) -> Optional[SubsetHead]:
+        """The head the proposer drafts with: ``head`` (or the target's: None),
+        or the target's head over a reduced vocabulary's ids (then ``head`` must be None)."""
+        ids = self.vocab_ids
+        if ids is None:
+            return head
+        if head is not None:
+            raise DFlashError(f"this DSpark draft drafts over its own {ids.size} ids (its draft_vocab_size); "
+                              "a draft_vocab does not apply to it")
+        return head_over(target, np.array(ids))
+
+    def markov_bias(self, previous: mx.array) -> mx.array:
+        """W2 W1[x] [1, V] after target id x [1]; -inf outside a reduced vocabulary."""
+        bias = self.markov_head(previous)
+        return bias if self.d2t is None else place(bias, self.vocab_ids, self.config.vocab_size)
 
     def block_ids(self, anchor: mx.array) -> mx.array:
         """[1, gamma]: the anchor, then gamma - 1 mask ids (always the trained width)."""
@@ -173,7 +225,7 @@ class DSparkDraft(DFlashDraft):
         for k in range(logits.shape[0]):
             z = logits[k : k + 1]
             if self.markov_head is not None:
-                z = z + self.markov_head(previous)
+                z = z + self.markov_bias(previous)
             previous, q = draw(z)
             drafted.append(previous)
             qs.append(q)

@@ -115,12 +115,16 @@ class SubsetHead:
         return sub if self.bias is None else sub + self.bias
 
     def _place(self, sub: mx.array) -> mx.array:
-        full = mx.full((*sub.shape[:-1], self.vocab_size), -mx.inf, dtype=sub.dtype)
-        index = mx.broadcast_to(self.ids, sub.shape)
-        return mx.put_along_axis(full, index, sub, axis=-1)
+        return place(sub, self.ids, self.vocab_size)
 
 
-_HEADS: dict[int, dict[int, SubsetHead]] = {}  # id(model) -> size -> head, dropped with the model
+def place(sub: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
+    """Values [..., N] over ``ids`` as full-width rows [..., vocab_size], -inf elsewhere."""
+    full = mx.full((*sub.shape[:-1], vocab_size), -mx.inf, dtype=sub.dtype)
+    return mx.put_along_axis(full, mx.broadcast_to(ids, sub.shape), sub, axis=-1)
+
+
+_HEADS: dict[int, dict[bytes, SubsetHead]] = {}  # id(model) -> the kept ids' bytes -> head, dropped with the model
 
 
 def subset_head(target: Target, ranking: Union[np.ndarray, DFlashError, None], size: int) -> SubsetHead:
@@ -137,11 +141,16 @@ def subset_head(target: Target, ranking: Union[np.ndarray, DFlashError, None], s
                           f"{target.vocab_size}; remake it with dflash-mlx draft-vocab for this target")
     if not 1 <= size <= ranking.size:
         raise DFlashError(f"the drafting vocabulary must be from 1 to the vocabulary size {ranking.size}, got {size}")
+    return head_over(target, np.sort(ranking[:size]))
+
+
+def head_over(target: Target, ids: np.ndarray) -> SubsetHead:
+    """The target's head over ``ids`` (increasing int32), sliced once per model and id set."""
     key = id(target.model)
     if key not in _HEADS:
         _HEADS[key] = {}
         weakref.finalize(target.model, _HEADS.pop, key, None)
-    heads = _HEADS[key]
-    if size not in heads:
-        heads[size] = SubsetHead(target, mx.array(np.sort(ranking[:size])))
-    return heads[size]
+    heads, kept = _HEADS[key], np.ascontiguousarray(ids, dtype=np.int32)
+    if kept.tobytes() not in heads:
+        heads[kept.tobytes()] = SubsetHead(target, mx.array(kept))
+    return heads[kept.tobytes()]

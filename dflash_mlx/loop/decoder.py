@@ -137,6 +137,10 @@ class DSparkProposer(DraftProposer):
     trained-width block predicts x_k (so no more than gamma drafts), its Markov
     walk chooses them, and ``confidence`` holds the walk's c_k (unevaluated)."""
 
+    def __init__(self, draft: DSparkDraft, target: Target, cache: Optional[list] = None,
+                 head: Optional[SubsetHead] = None):
+        super().__init__(draft, target, cache, draft.drafting_head(target, head))
+
     @property
     def widest(self) -> int:
         """The widest block it drafts: the anchor and the trained gamma drafts."""
