@@ -5,6 +5,7 @@ import math
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Callable, Optional, Union
 
 import uvicorn
@@ -13,6 +14,7 @@ from ..errors import DFlashError
 from ..precision import choose_draft_dtype
 from ..registry import Pair, resolve_pair
 from ..validate import KV_FLAGS, block_option, kv_options, options
+from .prefix_disk import DEFAULT_GB, DiskConfig, default_directory
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -47,13 +49,16 @@ def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_t
          api_key: Optional[str], max_queue: int, prefix_cache_gb: float, block_size: str,
          draft_vocab: Optional[int] = None, distributed: Optional[str] = None, kv_bits: Optional[int] = None,
          kv_group_size: int = 64, quantized_kv_start: int = 5000, draft_dtype: str = "auto",
-         max_concurrency: Optional[int] = None) -> None:
+         max_concurrency: Optional[int] = None, prefix_cache_dir: Optional[str] = None,
+         prefix_cache_disk_gb: float = DEFAULT_GB, prefix_cache_disk: bool = True) -> None:
     """``dflash-mlx serve``: resolve the pair (the demo pair without --model)
     and serve it; progress goes to stderr. ``distributed``: the target is
     sharded over the ranks mlx.launch started; rank 0 serves, the others follow
     (one request at a time). ``kv_bits``: every request runs with a quantized
     KV cache (one at a time); ``draft_dtype``: ``--draft-dtype``;
-    ``max_concurrency``: requests decoded at once (None: ``DEFAULT_MAX_CONCURRENCY``)."""
+    ``max_concurrency``: requests decoded at once (None: ``DEFAULT_MAX_CONCURRENCY``); the prefix
+    cache's disk tier in ``prefix_cache_dir`` (None: the default), up to ``prefix_cache_disk_gb``
+    (0 or ``prefix_cache_disk=False``: none; never with ``distributed``)."""
     from ..distributed import session, talks
 
     kv = kv_options(kv_bits, kv_group_size, quantized_kv_start)
@@ -68,13 +73,24 @@ def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_t
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             make_engine(pair, block, max_queue, prefix_cache_gb, draft_vocab, launch, draft_dtype=draft_dtype).follow()
             return
+        disk = None if launch is not None else disk_config(prefix_cache_dir, prefix_cache_disk_gb, prefix_cache_disk)
         serve(pair, host, port, max_tokens_limit, api_key, max_queue, prefix_cache_gb, block, draft_vocab, launch,
-              kv, draft_dtype, max_concurrency)
+              kv, draft_dtype, max_concurrency, disk)
+
+
+def disk_config(directory: Optional[str], gb: float, on: bool) -> Optional[DiskConfig]:
+    """The prefix cache's disk tier of ``--prefix-cache-dir``, ``--prefix-cache-disk-gb`` and
+    ``--prefix-cache-disk`` (None: off), or a one-line DFlashError."""
+    if not (math.isfinite(gb) and gb >= 0):
+        raise DFlashError(f"--prefix-cache-disk-gb must be a finite number >= 0, got {gb}")
+    if not (on and gb):
+        return None
+    return DiskConfig(Path(directory).expanduser() if directory else default_directory(), int(gb * 1e9))
 
 
 def make_engine(pair: Pair, block_size: Union[int, str, None], max_queue: int, prefix_cache_gb: float,
                 draft_vocab: Optional[int], launch=None, kv: Optional[dict] = None, draft_dtype: str = "auto",
-                max_concurrency: Optional[int] = None):
+                max_concurrency: Optional[int] = None, prefix_disk: Optional[DiskConfig] = None):
     """The engine of ``pair``; on a rank of ``launch`` (``distributed.Launch``), the group's,
     which decodes one request at a time; ``kv``: the quantized KV cache's stream_generate
     arguments (not distributed); ``max_concurrency``: requests decoded at once (None: the default)."""
@@ -83,7 +99,8 @@ def make_engine(pair: Pair, block_size: Union[int, str, None], max_queue: int, p
 
     args = (pair.target, pair.draft, block_size, max_queue, int(prefix_cache_gb * 1e9), draft_vocab)
     if launch is None:
-        return Engine(*args, kv=kv, draft_dtype=draft_dtype, max_concurrency=max_concurrency or DEFAULT_MAX_CONCURRENCY)
+        return Engine(*args, kv=kv, draft_dtype=draft_dtype, max_concurrency=max_concurrency or DEFAULT_MAX_CONCURRENCY,
+                      prefix_disk=prefix_disk)
     return GroupEngine(launch, *args, draft_dtype=draft_dtype)
 
 
@@ -129,7 +146,8 @@ class Server(uvicorn.Server):
 def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limit: int = 4096,
           api_key: Optional[str] = None, max_queue: int = 32, prefix_cache_gb: float = 2.0,
           block_size: Union[int, str, None] = "auto", draft_vocab: Optional[int] = None, launch=None,
-          kv: Optional[dict] = None, draft_dtype: str = "auto", max_concurrency: Optional[int] = None) -> None:
+          kv: Optional[dict] = None, draft_dtype: str = "auto", max_concurrency: Optional[int] = None,
+          prefix_disk: Optional[DiskConfig] = None) -> None:
     """Check the options and the address, load ``pair`` on the worker thread,
     then serve it until SIGINT or SIGTERM (DFlashError for a bad option, an
     address it cannot listen on or a bad pair). On the signal it stops
@@ -137,7 +155,8 @@ def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limi
     ``launch``: rank 0 of a distributed launch, whose other ranks follow;
     ``kv``: every request quantizes its KV cache with these stream_generate arguments;
     ``draft_dtype``: what the draft computes in (``--draft-dtype``); ``max_concurrency``: requests
-    decoded at once, as the rows of one batch (None: ``DEFAULT_MAX_CONCURRENCY``)."""
+    decoded at once, as the rows of one batch (None: ``DEFAULT_MAX_CONCURRENCY``); ``prefix_disk``:
+    the prefix cache's disk tier (None: none)."""
     from .app import Settings, create_app
 
     check_options(port, max_tokens_limit, max_queue, prefix_cache_gb, block_size, draft_vocab, api_key, kv, draft_dtype,
@@ -149,7 +168,7 @@ def serve(pair: Pair, host: str = "127.0.0.1", port: int = 8080, max_tokens_limi
         if host not in LOOPBACK and api_key is None:
             _log(f"warning: serving on {host} without --api-key: anyone who can reach it can use it")
         engine = make_engine(pair, block_size, max_queue, prefix_cache_gb, draft_vocab, launch, kv, draft_dtype,
-                             max_concurrency)
+                             max_concurrency, prefix_disk)
         _log(f"loading {pair.target} with draft {pair.draft}")
         engine.start()
         name = "dflash-mlx-demo" if pair.demo else pair.target

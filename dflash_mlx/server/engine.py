@@ -34,6 +34,7 @@ from .batch import Rows
 from .jobs import Delta, Event, Failed, Finished, Job, Request, Usage, internal  # noqa: F401
 from .logprobs import picked
 from .prefix_cache import PrefixCache
+from .prefix_disk import DiskConfig, DiskTier, pair_key
 from .stops import StopMatcher
 
 
@@ -59,7 +60,7 @@ class Engine:
     def __init__(self, model: str, draft: str, block_size: Union[int, str, None] = "auto",
                  max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None,
                  kv: Optional[dict] = None, draft_dtype: str = "auto",
-                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY):
+                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY, prefix_disk: Optional[DiskConfig] = None):
         if max_concurrency < 1:
             raise DFlashError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.model_id, self.draft_id = model, draft
@@ -71,6 +72,7 @@ class Engine:
         self.max_concurrency = max_concurrency  # asked for; ``width`` is what this engine runs
         self._solo = 0  # 1 while a request decodes alone (width 1)
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefix_disk = prefix_disk  # the prefix cache's disk tier (none without a RAM one)
         self.started = int(time.time())
         self.stats: dict = {}  # replaced (never mutated) by the worker after each request
         # set by _load, on the worker thread:
@@ -185,7 +187,9 @@ class Engine:
         return Target(model), tokenizer
 
     def _prefix_cache(self) -> PrefixCache:
-        return PrefixCache(self.target, self.draft, self.prefix_cache_bytes, self.kv)
+        disk = None if self.prefix_disk is None or not self.prefix_cache_bytes else DiskTier(
+            self.prefix_disk, pair_key(self.model_id, self.draft_id, self.draft, self.tokenizer, self.kv))
+        return PrefixCache(self.target, self.draft, self.prefix_cache_bytes, self.kv, disk)
 
     def _stream(self, prompt: list[int], **kwargs):
         """``stream_generate`` over this engine's pair, block size, drafting vocabulary and KV cache."""
@@ -210,6 +214,8 @@ class Engine:
         try:
             self._serve()
         finally:
+            if self.prefix_cache is not None:
+                self.prefix_cache.close()
             # MLX's streams of this thread go with it, while the interpreter is
             # whole: torn down at exit instead, they abort the process now and
             # then ("terminate called without an active exception")

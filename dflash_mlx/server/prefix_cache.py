@@ -21,7 +21,9 @@ its last token, on a recurrent target) continues that conversation: the entry
 is taken out of the cache and the decoder extends it in place. One that
 branches off inside it (another chat with the same system prompt, a
 regenerated reply) gets a copy, and the entry stays. Entries are evicted least recently used first to stay within a byte
-budget.
+budget. Beneath RAM, an optional disk tier (``prefix_disk.py``) keeps every
+entry across restarts: where one of its files holds more of a new prompt than
+RAM does, it is loaded and promoted to RAM before an entry is chosen.
 
 With a quantized KV cache (``kv_bits``), a cache that was quantized is never
 rolled back below ``quantized_kv_start`` (a fresh run attends over
@@ -52,14 +54,27 @@ class Entry:
     prompt_len: int  # where ``snapshot`` was taken
     snapshot: Optional[list]  # per target layer: an ArraysCache's arrays at prompt_len, else None
     nbytes: int
+    name: str = ""  # its file in the disk tier, if any
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
+    lo, hi = 0, min(len(a), len(b))  # a[:lo] == b[:lo]; by halves, each compared at C speed
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _resumable(tokens: list[int], prompt: list[int], prompt_len: int, recurrent: bool, snapshot: bool) -> int:
+    """Tokens of ``prompt`` that caches holding ``tokens`` (recurrent states,
+    if any, snapshotted at ``prompt_len`` too where ``snapshot``) hold after a
+    rollback, at least one prompt token left to prefill."""
+    n = _common_prefix(tokens, prompt[: len(prompt) - 1])
+    if n != len(tokens) and recurrent:
+        n = prompt_len if snapshot and n >= prompt_len else 0
     return n
 
 
@@ -71,8 +86,10 @@ def _nbytes(context: ContextCache, snapshot: Optional[list]) -> int:
 class PrefixCache:
     """Decoder caches of recent requests, reusable by prompts that extend them."""
 
-    def __init__(self, target: Target, draft: DFlashDraft, budget_bytes: int, kv: Optional[dict] = None):
+    def __init__(self, target: Target, draft: DFlashDraft, budget_bytes: int, kv: Optional[dict] = None,
+                 disk=None):
         self.target = target
+        self.disk = disk  # a prefix_disk.DiskTier beneath the entries, or None
         self.kv = kv or {}  # stream_generate's kv_bits, kv_group_size, quantized_kv_start
         self.draft = draft
         self.budget = budget_bytes
@@ -89,9 +106,7 @@ class PrefixCache:
     def _reusable(self, entry: Entry, prompt: list[int]) -> int:
         """Tokens of ``prompt`` the entry can hold after an exact rollback."""
         tokens = entry.context.tokens
-        n = _common_prefix(tokens, prompt[: len(prompt) - 1])
-        if n != len(tokens) and self._recurrent(entry.context):
-            n = entry.prompt_len if entry.snapshot is not None and n >= entry.prompt_len else 0
+        n = _resumable(tokens, prompt, entry.prompt_len, self._recurrent(entry.context), entry.snapshot is not None)
         quantized = any(hasattr(c, "bits") for c in entry.context.target)
         if quantized and n < self.kv.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START):
             n = 0  # quantized keys where a fresh run has full-precision ones
@@ -102,6 +117,8 @@ class PrefixCache:
     def take(self, prompt: list[int]) -> ContextCache:
         """Caches holding the longest reusable prefix of ``prompt`` (an entry
         or a copy of one), or fresh ones; ``len(context.tokens)`` is what was reused."""
+        if self.disk is not None:
+            self._promote(prompt)
         best, reused = None, 0
         for key, entry in self.entries.items():
             n = self._reusable(entry, prompt)
@@ -118,6 +135,18 @@ class PrefixCache:
             context = copy.deepcopy(entry.context)
         self._rollback(context, entry.snapshot, reused)
         return context
+
+    def _promote(self, prompt: list[int]) -> None:
+        """Load the disk tier's file that holds the most of ``prompt``, where
+        that is more than any entry in RAM holds, into RAM."""
+        held = {e.name for e in self.entries.values()}
+        in_ram = max((self._reusable(e, prompt) for e in self.entries.values()), default=0)
+        reusable = [(_resumable(s.tokens, prompt, s.prompt_len, s.recurrent, s.snapshot), s)
+                    for s in self.disk.entries() if s.path.name not in held]
+        n, stored = max(reusable, key=lambda r: r[0], default=(0, None))
+        if n > in_ram and (loaded := self.disk.load(stored, self.target, self.draft)) is not None:
+            context, prompt_len, snapshot = loaded
+            self._add(Entry(context, prompt_len, snapshot, self.size(context, snapshot), stored.path.name))
 
     @staticmethod
     def _rollback(context: ContextCache, snapshot: Optional[list], n: int) -> None:
@@ -164,9 +193,20 @@ class PrefixCache:
         """Keep ``context`` (whose recurrent states were ``snapshot`` at
         ``prompt_len``) as the most recent entry; evict to stay in budget."""
         entry = Entry(context, prompt_len, snapshot, self.size(context, snapshot))
-        if not context.tokens or entry.nbytes > self.budget:
-            return
+        if context.tokens and self._add(entry) and self.disk is not None:
+            entry.name = self.disk.save(context, prompt_len, snapshot, self._recurrent(context))
+
+    def _add(self, entry: Entry) -> bool:
+        """Keep ``entry`` as the most recent, evicting to stay in budget; False if it alone is over it."""
+        if entry.nbytes > self.budget:
+            return False
         self.entries[self._next_key] = entry
         self._next_key += 1
         while len(self.entries) > MAX_ENTRIES or self.nbytes > self.budget:
             self.entries.popitem(last=False)
+        return True
+
+    def close(self) -> None:
+        """Finish writing to the disk tier, if any."""
+        if self.disk is not None:
+            self.disk.close()
