@@ -261,8 +261,9 @@ def test_json_output_and_logprobs(client):
     ({"input": "hi", "max_tokens": 4}, "max_tokens", "send max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 65}, "max_output_tokens", "max_output_tokens 65 is above"),
     ({"input": "hi", "text": {"format": {"type": "nonsense"}}}, "text.format", "'nonsense' is not supported"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input",
-     "not valid JSON"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input[0].arguments",
+     "input[0].arguments is not valid JSON"),
+    ({"input": "the quick brown fox " * 1200}, "input", "over this model's context of 4096 tokens"),
 ])
 @pytest.mark.parametrize("streamed", [False, True])
 def test_bad_input_is_a_400_naming_the_field(server, body, param, message, streamed):

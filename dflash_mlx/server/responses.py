@@ -165,6 +165,10 @@ def _call(item: dict, at: str) -> dict:
     """A ``function_call`` or ``custom_tool_call`` item as an assistant's tool call."""
     if item["type"] == "function_call":
         arguments = _field(item, "arguments", at)
+        try:
+            json.loads(arguments or "{}")
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{at}.arguments is not valid JSON: {e}", f"{at}.arguments") from None
     else:
         arguments = json.dumps({"input": _field(item, "input", at)}, ensure_ascii=False)
     function = {"name": _field(item, "name", at), "arguments": arguments}
