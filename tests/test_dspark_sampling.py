@@ -4,7 +4,8 @@ z_k = U_k + W2 W1[x_{k-1}] over the full vocabulary, and that same q_k is what
 rejection sampling is given. The generated tokens follow the target's own
 distribution (test_sampling.py's enumeration and chi-square test), and the same
 test rejects the plausible wrong q: the warp of the base logits U_k without the
-Markov term. (A q left untruncated is not a control here: the steered z_k
+Markov term. A speculators-format draft over a reduced vocabulary (q zero
+outside its ids) is lossless too. (A q left untruncated is not a control here: the steered z_k
 holds so little mass outside its top k that 200 runs cannot tell, p = 0.37.)"""
 
 import json
@@ -16,6 +17,7 @@ from dflash_mlx import Target, load_draft
 from dflash_mlx.loop.decoder import DSparkProposer
 from dflash_mlx.loop.sampling import SamplingParams, warp
 from test_dspark import write_dspark_draft
+from test_dspark_packaging import write_speculators
 from test_sampling import BLOCK, V, build_target, exact_joint, model, pvalues, sample  # noqa: F401 (model: the fixture)
 
 pytestmark = pytest.mark.statistical
@@ -27,15 +29,30 @@ POSITIONS = 3  # x1 from the prefill, x2 and x3 from the walk's first two rows
 STEER = 2.0  # weight of the target logits added to the draft's base logits
 
 
+KEPT = [i for i in range(V) if i % 5]  # the reduced vocabulary: 12 of the 16 ids
+
+
 @pytest.fixture(scope="module")
-def draft(tmp_path_factory, model):
+def source(tmp_path_factory, model):
     """A DSpark draft for the test_sampling target (gamma = BLOCK - 1), its
     Markov term about as large as the logits, so that the walk's path moves q."""
     _, config = build_target("qwen3_5", vocab_size=V, seed=3, num_hidden_layers=2)
-    path = tmp_path_factory.mktemp("dspark-sampling")
+    path = tmp_path_factory.mktemp("dspark-sampling") / "draft"
     write_dspark_draft(path, model, config, gamma=BLOCK - 1, rank=4, markov_std=1.5, target_layer_ids=[0], seed=5)
     assert json.loads((path / "config.json").read_text())["block_size"] == BLOCK - 1
-    return load_draft(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def draft(source):
+    return load_draft(str(source))
+
+
+@pytest.fixture(scope="module")
+def reduced(source):
+    """The same draft in the speculators format, drafting over ``KEPT`` only."""
+    write_speculators(source, source.parent / "speculators", KEPT)
+    return load_draft(str(source.parent / "speculators"))
 
 
 def walk_proposer(draft, wrong=None):
@@ -50,7 +67,7 @@ def walk_proposer(draft, wrong=None):
     class Proposer(DSparkProposer):
         def __init__(self, draft, target, memo):
             super().__init__(draft, target)
-            self.memo, self.history, self.features = memo, [], []
+            self.memo, self.history, self.features, self.base = memo, [], [], self.head
             self.head = lambda hidden: self.rows[1]  # the memoized, steered base logits
 
         def observe(self, features, tokens):
@@ -71,7 +88,7 @@ def walk_proposer(draft, wrong=None):
                     row = self.target.model(mx.array(seq)[None])[0, -1]
                     steer.append(row)
                     seq.append(mx.argmax(row).item())
-                self.memo[context] = hidden, self.target.logits(hidden) + STEER * mx.stack(steer)
+                self.memo[context] = hidden, self.base(hidden) + STEER * mx.stack(steer)
             self.rows = self.memo[context]
             return self.rows[0]
 
@@ -83,8 +100,10 @@ def walk_proposer(draft, wrong=None):
     return lambda model, params, memo: Proposer(draft, targets.setdefault(id(model), Target(model)), memo)
 
 
-def test_samples_follow_the_targets_distribution(model, draft):
-    tokens, accepted = sample(model, PARAMS, proposer=walk_proposer(draft), runs=RUNS, positions=POSITIONS)
+@pytest.mark.parametrize("vocabulary", ["full", "reduced"])
+def test_samples_follow_the_targets_distribution(model, draft, reduced, vocabulary):
+    chosen = draft if vocabulary == "full" else reduced
+    tokens, accepted = sample(model, PARAMS, proposer=walk_proposer(chosen), runs=RUNS, positions=POSITIONS)
     for position, p in pvalues(tokens, exact_joint(model, PARAMS, depth=POSITIONS)).items():
         assert p > ALPHA, f"{position} deviates from the target (p = {p:.2e})"
     assert (accepted >= 1).mean() > 0.4, "drafts must often be accepted for this to bite"
