@@ -123,6 +123,14 @@ def test_text_and_reasoning_equal_the_chat_routes_reply(client, streamed):
     assert 0 < reply.usage.output_tokens_details.reasoning_tokens < reply.usage.output_tokens
 
 
+def test_a_reply_cut_by_max_output_tokens_is_incomplete_and_still_completes(server):
+    events = stream(server, {"input": ASK, "max_output_tokens": 6})
+    assert events[-1]["type"] == "response.completed"
+    done = events[-1]["response"]
+    assert (done["status"], done["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert done["output"][-1]["status"] == "incomplete" and done["usage"]["output_tokens"] == 6
+
+
 def test_reasoning_effort_none_turns_thinking_off(client):
     reply = client.responses.create(model="any", input=ASK, max_output_tokens=32, reasoning={"effort": "none"})
     assert [i.type for i in reply.output] == ["message"] and reply.output_text == CALLED.lstrip()
@@ -239,15 +247,21 @@ def test_previous_response_id_continues_a_stored_response(client):
         assert e.value.body["param"] == "previous_response_id" and "store" in e.value.body["message"]
 
 
-def test_json_output_and_logprobs(client):
-    reply = client.responses.create(model="any", input=ASK, max_output_tokens=48, top_logprobs=2,
-                                    include=["message.output_text.logprobs"], text={"format": {"type": "json_object"}})
-    same = client.chat.completions.create(model="any", messages=ASK, max_tokens=48, logprobs=True, top_logprobs=2,
-                                          response_format={"type": "json_object"})
+def test_json_output_and_logprobs_equal_the_chat_routes(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    reply = client.responses.create(
+        model="any", input=ASK, max_output_tokens=48, top_logprobs=2, include=["message.output_text.logprobs"],
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}})
+    same = client.chat.completions.create(
+        model="any", messages=ASK, max_tokens=48, logprobs=True, top_logprobs=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    assert reply.output_text.lstrip().startswith("{")  # held to the schema (cut off by max_output_tokens)
     assert reply.output_text == same.choices[0].message.content
     logprobs = reply.output[-1].content[0].logprobs
     assert [p.token for p in logprobs] == [p.token for p in same.choices[0].logprobs.content]
-    assert all(len(p.top_logprobs) == 2 for p in logprobs)
+    assert [[t.token for t in p.top_logprobs] for p in logprobs] == [
+        [t.token for t in p.top_logprobs] for p in same.choices[0].logprobs.content]
+    assert all(len(p.top_logprobs) <= 2 for p in logprobs)  # fewer where the grammar rules the rest out
 
 
 @pytest.mark.parametrize("body, param, message", [
