@@ -2,6 +2,8 @@
 
 ``command`` loads the pair and runs uvicorn; ``app`` holds the routes,
 ``anthropic`` Anthropic's Messages API over the same machinery,
+``responses`` OpenAI's Responses API (Codex's) onto the chat route and
+``responses_stream`` its items and events,
 ``schemas`` the request bodies, ``prompts`` turns them into token ids,
 ``jobs`` the queued requests and their events, ``engine`` runs them on the
 MLX worker thread (up to ``--max-concurrency`` at once as the rows of one
