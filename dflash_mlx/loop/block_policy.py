@@ -306,6 +306,48 @@ class AdaptiveBlock:
             self.acceptance[i] += rate * (hit - self.acceptance[i])
 
 
+class ConfidenceSchedule:
+    """How many of a DSpark block's drafts to verify, from its confidences
+    (docs/dspark.md, "Confidence-scheduled verification").
+
+    With a_i = c_1 ... c_i the chance drafts 1..i are all accepted, verifying
+    l drafts commits 1 + a_1 + ... + a_l tokens in expectation, in the cycle's
+    time: the draft pass (the trained block, whatever l) plus the target's
+    pass over l + 1 tokens. From l = 1, one more draft is taken while that does
+    not lower the rate. Stopping at the first drop keeps the output the
+    target's: whether draft l + 1 is verified depends on c_{l+1}, which reads
+    drafts 1..l only, never on draft l + 1 itself (a search over every l would
+    look at later drafts, and bias which ones get verified)."""
+
+    def __init__(self, costs: "CurveCosts"):
+        self.costs = costs
+
+    def cut(self, drafted, q, confidences, trained: int, context: int = 0):
+        """(drafted, q) cut to ``length`` (waits for the confidences [n]; None: uncut)."""
+        if confidences is None:
+            return drafted, q
+        n = self.length(confidences.tolist(), trained, context)
+        return drafted[:n], None if q is None else q[:n]
+
+    def length(self, confidences: list[float], trained: int, context: int = 0) -> int:
+        """Drafts to verify (1 .. len(confidences)) out of a block of ``trained`` drafts."""
+        draft = self.costs.draft(trained + 1, context)
+        rate = lambda tokens, n: tokens / (draft + self.costs.target(n + 1, context))
+        reach = confidences[0]
+        tokens, n = 1.0 + reach, 1
+        for c in confidences[1:]:
+            reach *= c
+            if rate(tokens + reach, n + 1) < rate(tokens, n):
+                break
+            tokens, n = tokens + reach, n + 1
+        return n
+
+
+class CurveCosts(Costs, Protocol):
+    def target(self, b: int, context: Optional[int] = None) -> float:
+        """Seconds of the target's pass over b tokens."""
+
+
 def shared_hits(rows: list[list[float]]) -> list[float]:
     """One outcome from several rows' hits (per draft position each row
     reached, the probability it was accepted there): per position, the mean

@@ -14,7 +14,7 @@ from typing import Optional, Protocol, Union
 
 import mlx.core as mx
 
-from .block_policy import BlockPolicy, FixedBlock
+from .block_policy import BlockPolicy, ConfidenceSchedule, FixedBlock
 from ..draft import DFlash2Draft, DFlashDraft, DSparkDraft, SubsetHead
 from ..errors import DFlashError
 from ..kv_quantization import KVQuantization
@@ -135,11 +135,12 @@ def sound_logits(logits: mx.array, axis=None) -> mx.array:
 class DSparkProposer(DraftProposer):
     """Proposes with a DSpark draft (``draft/dspark.py``): slot k-1 of its
     trained-width block predicts x_k (so no more than gamma drafts), its Markov
-    walk chooses them, and ``confidence`` holds the walk's c_k (unevaluated)."""
+    walk chooses them, ``confidence`` holds the walk's c_k (unevaluated), and a
+    ``schedule`` keeps only the drafts worth verifying (reading the c_k)."""
 
-    def __init__(self, draft: DSparkDraft, target: Target, cache: Optional[list] = None,
-                 head: Optional[SubsetHead] = None):
+    def __init__(self, draft: DSparkDraft, target: Target, cache: Optional[list] = None, head=None):
         super().__init__(draft, target, cache, draft.drafting_head(target, head))
+        self.schedule: Optional[ConfidenceSchedule] = None
 
     @property
     def widest(self) -> int:
@@ -154,6 +155,8 @@ class DSparkProposer(DraftProposer):
         logits = self.draft.scale_logits(self.head(hidden))
         self.finite = sound_logits(logits)
         drafted, q, self.confidence = self.draft.walk(hidden, logits, y, sampler.draft)
+        if self.schedule is not None:
+            drafted, q = self.schedule.cut(drafted, q, self.confidence, self.widest - 1, self.cache[0].offset)
         return drafted, q
 
 

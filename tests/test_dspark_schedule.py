@@ -1,0 +1,85 @@
+"""Confidence-scheduled verification (``ConfidenceSchedule``): the verified
+length follows the cumulative products of a DSpark draft's confidences and the
+cost curve, stops at the first drop of the expected rate, and leaves the output
+the target's: greedy identical to mlx-lm (under a fixed and an adaptive block)
+and, sampled, distributed as the target's own."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+
+from dflash_mlx import Target, load_draft
+from dflash_mlx.loop.block_policy import AdaptiveBlock, ConfidenceSchedule, FixedBlock
+from dflash_mlx.loop.cost_curve import CostCurve
+from dflash_mlx.loop.decoder import DSparkProposer, SpeculativeDecoder
+from test_dspark import GAMMA, greedy_reference, write_dspark_draft
+from test_dspark_sampling import ALPHA, PARAMS, POSITIONS, RUNS, draft, source, walk_proposer  # noqa: F401 (fixtures)
+from test_sampling import exact_joint, model, pvalues, sample  # noqa: F401 (model: the fixture)
+
+# a draft pass of 1 s; each verified token 0.3 s more (both per cycle, at any context)
+CURVE = CostCurve(sizes=(1, 2, 8), target_s=(1.0, 1.3, 3.1), draft_s=(0.0, 1.0, 1.0))
+
+
+def test_the_length_stops_at_the_first_drop():
+    """Costs that fall again at b = 5 (a kernel's tile, say) would make 4
+    drafts the best length overall, but the rate first drops at the second
+    draft, so one is verified: the later drafts never weigh on the choice."""
+    curve = CostCurve(sizes=(1, 2, 3, 4, 5, 8), target_s=(1.0, 1.0, 2.0, 2.0, 1.0, 1.0), draft_s=(0, 1, 1, 1, 1, 1))
+    schedule = ConfidenceSchedule(curve)
+    confident = [0.9, 0.9, 0.9, 0.9]
+    assert schedule.length(confident, trained=7) == 1
+    assert (1 + 0.9 + 0.81 + 0.729 + 0.6561) / 2.0 > (1 + 0.9) / 2.0  # 4 drafts would rate higher
+    assert ConfidenceSchedule(CURVE).length([0.99] * 7, trained=7) == 7  # worth verifying every draft
+    assert ConfidenceSchedule(CURVE).length([0.99, 0.2, 0.99], trained=7) == 1  # the rate drops at draft 2
+    assert ConfidenceSchedule(CURVE).length([0.1] * 3, trained=7) == 1  # at least one draft: the policy speculated
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, target_dirs):
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    path = tmp_path_factory.mktemp("dspark-schedule")
+    write_dspark_draft(path, model, json.loads((target_dirs["qwen3"] / "config.json").read_text()))
+    return model, tokenizer, load_draft(str(path))
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_greedy_output_is_mlx_lm_greedy_output(pair, policy):
+    model, tokenizer, draft = pair
+    target = Target(model)
+    for text in ("the quick brown fox", "hello world what is"):
+        prompt = tokenizer.encode(text)
+        proposer = DSparkProposer(draft, target)
+        proposer.schedule = ConfidenceSchedule(CURVE)
+        chosen = FixedBlock(GAMMA + 1) if policy == "fixed" else AdaptiveBlock(CURVE, GAMMA + 1, prior=0.99)
+        decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, chosen)
+        out, widths = [decoder.prefill(mx.array(prompt))], []
+        while len(out) < 24:
+            out += decoder.cycle().tokens
+            widths.append(decoder.drafted.size + 1 if decoder.drafted is not None else 1)
+        assert out[:24] == greedy_reference(model, prompt, 24)
+        if policy == "fixed":
+            assert 1 < len(set(widths)), "the confidences must move the verified length here"
+
+
+@pytest.mark.statistical
+def test_sampled_output_follows_the_targets_distribution(model, draft):  # noqa: F811 (fixtures)
+    """The lengths depend on the drafts drawn (c_k reads x_{k-1}), the case a
+    search over every length would bias."""
+    make, lengths = walk_proposer(draft), []
+
+    class Counted(ConfidenceSchedule):
+        def length(self, *args):
+            lengths.append(super().length(*args))
+            return lengths[-1]
+
+    def scheduled(model, params, memo):
+        proposer = make(model, params, memo)
+        proposer.schedule = Counted(CURVE)
+        return proposer
+
+    tokens, _ = sample(model, PARAMS, proposer=scheduled, runs=RUNS, positions=POSITIONS)
+    for position, p in pvalues(tokens, exact_joint(model, PARAMS, depth=POSITIONS)).items():
+        assert p > ALPHA, f"{position} deviates from the target (p = {p:.2e})"
+    assert 1 < len(set(lengths)), "the confidences must move the verified length here"
