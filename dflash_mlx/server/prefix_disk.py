@@ -262,6 +262,7 @@ class DiskTier:
         prompt_len and snapshot, as ``PrefixCache.put`` took them; None where it
         is gone or does not check out (removed, with a warning)."""
         try:
+            _metadata(stored.path)  # its length, again: it may have changed since it was indexed
             caches, metadata = load_prompt_cache(str(stored.path), return_metadata=True)
             meta = json.loads(metadata[META])
             problem = self._problem(meta, stored.path.name)
