@@ -53,7 +53,9 @@ def test_a_prompt_served_before_a_restart_is_all_cached_but_its_last_token(famil
     assert cached == 0 and len(files(directory)) == 1  # written before the server stopped
     with serving(tmp_path, target_dirs, draft_dir, family, directory) as (url, _):
         again, cached, prompt_tokens = complete(url, PROMPT)
+        disk = httpx.get(url + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()["prefix_cache"]["disk"]
     assert (again, cached) == (text, prompt_tokens - 1) and not warnings(tmp_path)
+    assert disk["hits"] == 1 and disk["entries"] >= 1 and disk["writable"]
 
 
 def spoil(paths):

@@ -206,7 +206,7 @@ class Engine:
 
     def _update_stats(self) -> None:
         self.stats = {
-            "prefix_cache": {"entries": len(self.prefix_cache.entries), "bytes": self.prefix_cache.nbytes},
+            "prefix_cache": self.prefix_cache.stats(),
             "memory_gb": {"active": mx.get_active_memory() / 1e9, "peak": mx.get_peak_memory() / 1e9},
         }
 

@@ -206,6 +206,11 @@ class PrefixCache:
             self.entries.popitem(last=False)
         return True
 
+    def stats(self) -> dict:
+        """What ``/health`` reports: the entries in RAM and their bytes, and the disk tier's (None: off)."""
+        return {"entries": len(self.entries), "bytes": self.nbytes,
+                "disk": None if self.disk is None else self.disk.stats()}
+
     def close(self) -> None:
         """Finish writing to the disk tier, if any."""
         if self.disk is not None:
