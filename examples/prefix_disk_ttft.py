@@ -22,7 +22,7 @@ import httpx
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", help="target: hub repo id or local directory (default: the demo pair)")
 parser.add_argument("--draft", help="DFlash draft (default: the registry's, or the demo pair's)")
-parser.add_argument("--words", type=int, default=4000, help="words of filler text in the prompt")
+parser.add_argument("--words", type=int, default=1500, help="words of filler text in the prompt (the demo pair reads 4096 tokens)")
 parser.add_argument("--max-tokens", type=int, default=16)
 args = parser.parse_args()
 
