@@ -28,6 +28,7 @@ from .loop import (AdaptiveBlock, BlockSampler, ContextCache, DriftWatch, FixedB
 from .targets import check_forward
 from .targets import Target
 from .tree import TreeDecoder
+from .vision import with_images
 
 CLEAR_CACHE_EVERY = 256  # generated tokens between frees of MLX's allocator cache, as mlx-lm's
 # generate_step frees it (freeing more often costs the next step its buffers: ~4 ms at 1k context here)
@@ -199,6 +200,7 @@ def stream_generate(
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     response_format: Optional[dict] = None,
+    images: Optional[list] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -244,6 +246,9 @@ def stream_generate(
     groups of ``kv_group_size`` once they hold ``quantized_kv_start`` tokens,
     as mlx-lm's ``generate_step`` does with the same three arguments, whose
     output this then equals (``kv_quantization.py``); None keeps them full precision.
+    ``images`` (paths, bytes, PIL images, data or http(s) URLs) go where the
+    prompt's image placeholders stand, one each, as the chat template writes
+    image parts; the prefill runs over their features (``vision``, docs/vision.md).
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})
     validate.loaded(model, draft, tokenizer, cost_curve, (costs.CostCurve, Watched))
@@ -268,8 +273,13 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt, target.vocab_size)
-    validate.prompt_length(prompt_ids.size, getattr(target.args, "max_position_embeddings", None))
     check_forward(target, prompt_ids)
+    plain = target
+    if images:
+        if tree_budget or (context is not None and context.tokens):
+            raise DFlashError("a prompt with images takes neither tree_budget nor a context cache holding tokens")
+        target, prompt_ids, _ = with_images(target, prompt_ids, images)
+    validate.prompt_length(prompt_ids.size, getattr(target.args, "max_position_embeddings", None))
     kept = context is not None  # the caller keeps the caches: the draft's must end holding every fed token
     if context is None:
         context = ContextCache(target.make_cache(), draft.make_cache())
@@ -286,7 +296,7 @@ def stream_generate(
                               prefill_step_size, sampler, context.target, context.tokens, kv)
     else:
         if block_size == validate.AUTO:
-            policy = auto_policy(target, draft, cost_curve)
+            policy = auto_policy(plain, draft, cost_curve)
         else:
             policy = FixedBlock(block_size)
         decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,

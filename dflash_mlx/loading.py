@@ -14,6 +14,7 @@ from .draft import DFlashDraft, draft_classes
 from .draft import read_ranking
 from .errors import DFlashError
 from .precision import cast_draft, choose_draft_dtype, device_description
+from .vision import remember
 
 DRAFT_FILES = ["*.json", "*.safetensors"]
 TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # no weights
@@ -64,6 +65,7 @@ def load(path_or_repo: str, lazy: bool = False) -> tuple[nn.Module, TokenizerWra
     except Exception as e:
         raise DFlashError(f"cannot load target from '{path}': {_one_line(e)}") from None
     check_tokenizer(path)
+    remember(model, path)  # where an image prompt finds the vision tower
     # a prompt longer than the context: generation says so (validate.prompt_length), not transformers
     getattr(tokenizer._tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
     return model, tokenizer

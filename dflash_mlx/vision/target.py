@@ -1,0 +1,81 @@
+"""A target whose prompt holds images: the text model's own pass, with the
+images' features in place of their placeholders' embeddings and the family's
+positions (``qwen.py``). Everything after the prefill (drafting,
+verification, rollback) is the text target's: only the embeddings of prompt
+rows and the positions the layers see differ."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..targets import Attention, Target
+
+
+@dataclass
+class ImagePrompt:
+    """One request's images, laid over its expanded prompt of ``size`` ids."""
+
+    features: mx.array  # [N, H]: every image row's embedding, in prompt order
+    rows: list[int]  # per prompt position: its row of ``features``, or -1
+    positions: Optional[mx.array] = None  # [3, P] multimodal RoPE positions (Qwen), or None
+    delta: int = 0  # position of every index past the prompt: index + delta
+
+    def pass_positions(self, start: int, length: int) -> mx.array:
+        """[3, length]: the positions of indices start..start+length."""
+        size = self.positions.shape[1]
+        inside = self.positions[:, start : min(start + length, size)]
+        later = mx.arange(max(start, size), start + length, dtype=inside.dtype) + self.delta
+        return mx.concatenate([inside, mx.broadcast_to(later, (3, later.size))], axis=1)
+
+    def merge(self, h: mx.array, start: int) -> Optional[mx.array]:
+        """``h`` [1, T, H] at indices start.. with the image rows' features in
+        place; None where the pass holds no image row."""
+        rows = self.rows[start : start + h.shape[1]]
+        if not any(r >= 0 for r in rows):
+            return None
+        index = mx.array(rows)
+        picked = self.features[mx.maximum(index, 0)].astype(h.dtype)
+        return mx.where((index >= 0)[None, :, None], picked[None], h)
+
+
+class VisionStack:
+    """The text target's stack, told where each pass starts (``start``)."""
+
+    def __init__(self, inner, family, prompt: ImagePrompt):
+        self.inner = inner
+        self.family = family
+        self.prompt = prompt
+        self.start = 0
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed(tokens)
+
+    def finish_logits(self, logits: mx.array) -> mx.array:
+        return self.inner.finish_logits(logits)
+
+    def layer_calls(self, layers: list, tokens: mx.array, h: mx.array) -> list:
+        merged = self.prompt.merge(h, self.start)
+        if merged is None:
+            calls = self.inner.layer_calls(layers, tokens, h)
+        else:
+            calls = self.inner.layer_calls(layers, self.family.layer_tokens(tokens), merged)
+            first = calls[0]
+            calls = [lambda _, mask, cache: first(merged, mask, cache)] + list(calls[1:])
+        if self.prompt.positions is not None:
+            calls = self.family.layer_calls(calls, layers, self.prompt.pass_positions(self.start, tokens.shape[1]))
+        return calls
+
+
+class VisionTarget(Target):
+    """``Target`` over the same model for one prompt with images."""
+
+    def __init__(self, model: nn.Module, family, prompt: ImagePrompt):
+        super().__init__(model)
+        self.stack = VisionStack(self.stack, family, prompt)
+
+    def forward(self, tokens: mx.array, cache, layer_ids: list[int], record: bool = False):
+        owners = [c for kind, c in zip(self.kinds, cache or []) if isinstance(kind, Attention)]
+        self.stack.start = owners[0].offset if owners else 0
+        return super().forward(tokens, cache, layer_ids, record)
