@@ -69,7 +69,7 @@ atexit.register(_finish_mlx_work)
 
 
 def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
+    importlib.import_module(".distributed", __package__).report(message)  # once: by rank 0 under mlx.launch
     raise typer.Exit(1)
 
 

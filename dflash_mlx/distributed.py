@@ -15,16 +15,22 @@ A rank that dies surfaces on the others as the backend's error at their next
 collective, re-raised here as one ``DFlashError`` line; a rank that hangs, or a
 machine that vanishes without closing its connections, is caught by a
 watchdog that ends the process with one line after ``timeout`` seconds
-without a generated response.
+without a generated response. Under mlx.launch, which ends every rank with
+SIGTERM once one has failed or was killed, a rank says so in one line
+(``Launcher``); an error every rank hits alike is printed by rank 0 only.
 """
 
 import contextlib
+import json
 import os
+import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Generator, Iterator, Optional
+from pathlib import Path
+from typing import Generator, Iterator, NoReturn, Optional
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -41,19 +47,51 @@ from .targets import PipelineTarget, Target, sharded_target
 
 MODES = ("tensor", "pipeline")
 TIMEOUT_S = 300.0  # seconds without a generated response before a rank gives up on the group
+GRACE_S = 10.0  # how long a rank other than 0 leaves rank 0 to report an error every rank hit
 BACKEND_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]")  # how MLX's distributed backends prefix their errors
+INDEX = "model.safetensors.index.json"
 
 
 def _one_line(error: Exception) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def init(mode: str = "tensor") -> mx.distributed.Group:
-    """The group this process was launched into, for sharding ``mode``
-    (one DFlashError line if the mode is unsupported or the process is alone)."""
+def end(message: str) -> NoReturn:
+    """One ``error:`` line on the process's own stderr, then exit 1 at once (from any thread)."""
+    print(f"error: {message}", file=sys.__stderr__, flush=True)
+    os._exit(1)
+
+
+def launched_rank() -> int:
+    """This process's rank as mlx.launch numbered it (MLX_RANK; 0 when not set)."""
+    return int(os.environ.get("MLX_RANK", "0"))
+
+
+class LostRank(DFlashError):
+    """A rank of the group stopped, or its machine cannot be reached."""
+
+
+@contextlib.contextmanager
+def lost_rank_errors(group: Optional[mx.distributed.Group]) -> Iterator[None]:
+    """MLX's error for a peer that went away, as one ``LostRank`` line naming this rank."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not str(e).startswith(BACKEND_ERRORS):
+            raise
+        rank = launched_rank() if group is None else group.rank()
+        raise LostRank(f"rank {rank}: the distributed group lost a rank ({_one_line(e)}); "
+                       "see the other ranks' output for why") from None
+
+
+def init(mode: str = "tensor", timeout: float = TIMEOUT_S) -> mx.distributed.Group:
+    """The group this process was launched into, for sharding ``mode`` (one
+    DFlashError line if the mode is unsupported, the process is alone, or a
+    rank cannot be reached; the watchdog's after ``timeout`` s waiting for one)."""
     if mode not in MODES:
         raise DFlashError(f"--distributed must be one of {', '.join(MODES)}, got '{mode}'")
-    group = mx.distributed.init()
+    with Watchdog(timeout, launched_rank()), lost_rank_errors(None):
+        group = mx.distributed.init()
     if group.size() < 2:
         raise DFlashError(
             "--distributed needs two or more processes started by mlx.launch "
@@ -62,16 +100,39 @@ def init(mode: str = "tensor") -> mx.distributed.Group:
     return group
 
 
+@contextlib.contextmanager
+def indexed(path: Path) -> Iterator[Path]:
+    """``path`` if it has a weight index (which file holds which tensor: mlx-lm's
+    pipeline loading reads it), else a temporary folder of links to its files
+    plus the index built from its weight files' names (a single-file checkpoint's
+    case); the user's folder is left as it is."""
+    if (path / INDEX).exists():
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="dflash-mlx-indexed-") as folder:
+        for entry in path.iterdir():
+            Path(folder, entry.name).symlink_to(entry.resolve())
+        weights = {name: file.name for file in sorted(path.glob("model*.safetensors"))
+                   for name in mx.load(str(file))}  # lazy: names only, no weights read
+        Path(folder, INDEX).write_text(json.dumps({"weight_map": weights}))
+        yield Path(folder)
+
+
 def load(path_or_repo: str, group: mx.distributed.Group, mode: str = "tensor") -> tuple[Target, TokenizerWrapper]:
     """Load a target sharded over ``group`` with mlx-lm's ``sharded_load``:
-    ``tensor`` parallel (the model's ``shard``) or ``pipeline`` stages."""
+    ``tensor`` parallel (the model's ``shard``) or ``pipeline`` stages
+    (``indexed``: also from a checkpoint without a weight index)."""
     path = resolve(path_or_repo, "target")
     groups = {"tensor_group": group} if mode == "tensor" else {"pipeline_group": group}
-    try:
-        model, tokenizer = sharded_load(str(path), **groups)
-    except Exception as e:
-        raise DFlashError(f"cannot load target '{path}' with {mode} parallelism over {group.size()} ranks: "
-                          f"{_one_line(e)}") from None
+    with lost_rank_errors(group):
+        try:
+            with indexed(path) if mode == "pipeline" else contextlib.nullcontext(path) as folder:
+                model, tokenizer = sharded_load(str(folder), **groups)
+        except Exception as e:
+            if str(e).startswith(BACKEND_ERRORS):
+                raise
+            raise DFlashError(f"cannot load target '{path}' with {mode} parallelism over {group.size()} ranks: "
+                              f"{_one_line(e)}") from None
     return sharded_target(model, group), tokenizer
 
 
@@ -94,41 +155,91 @@ class Launch:
         return stream_generate(target, draft, tokenizer, prompt, self.group, **kwargs)
 
 
+class Launcher:
+    """This rank's side of how mlx.launch ends a run: once a rank exits non-zero
+    or is killed, it sends SIGTERM to every other rank and waits for it to exit.
+    On SIGTERM this rank ends with one line saying the group lost a rank; a thread
+    reads the signal (from the signal wakeup fd), so a main thread waiting inside
+    MLX on the lost rank cannot delay it. A rank other than 0 first leaves its
+    main thread ``GRACE_S`` to end on an error every rank hit, which rank 0 prints."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.terminated = threading.Event()
+
+    def _on_sigterm(self, *_) -> None:
+        pass  # the thread reading the wakeup fd acts on it
+
+    def _watch(self, read: int) -> None:
+        while byte := os.read(read, 1):
+            if byte[0] == signal.SIGTERM and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                self.terminated.set()
+                time.sleep(GRACE_S if self.rank else 0.0)
+                end(f"rank {self.rank}: the distributed group lost a rank (mlx.launch sent SIGTERM: another rank "
+                    "exited with an error or was killed); see its output for why, and launch again")
+        os.close(read)
+
+    def __enter__(self) -> "Launcher":
+        read, self.write = os.pipe()
+        os.set_blocking(self.write, False)
+        self.handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.wakeup = signal.set_wakeup_fd(self.write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read,), daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.set_wakeup_fd(self.wakeup)
+        signal.signal(signal.SIGTERM, self.handler)
+        os.close(self.write)
+
+    def leave_to_rank_0(self, message: str) -> NoReturn:
+        """This rank (not 0) hit an error that rank 0 hits too, and prints: exit 1
+        silently once mlx.launch ends this rank, which it does when rank 0 exits;
+        print it here only if nothing ended this rank in ``GRACE_S``."""
+        if self.terminated.wait(GRACE_S):
+            os._exit(1)
+        end(f"rank {self.rank}: {message}")
+
+
+def report(message: str) -> None:
+    """The command line's ``error:`` line, once per launch: on a rank of
+    mlx.launch other than 0, ``Launcher.leave_to_rank_0`` (the command line's
+    own errors come before the ranks join, and are every rank's)."""
+    if launched_rank() != 0:
+        with Launcher(launched_rank()) as launcher:
+            launcher.leave_to_rank_0(message)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def session(mode: Optional[str]) -> Iterator[Optional[Launch]]:
     """The command line's view of a launch: None for ``mode`` None (refused
     in a process mlx.launch started: its ranks would each run the whole model),
     else this rank's ``Launch``, with stdout and stderr silenced on every rank
-    but rank 0 until the block ends (an error raised out of it is still
-    printed by each rank's command, naming its rank)."""
+    but rank 0 until the block ends. Errors are printed once: rank 0's by the
+    command; on another rank, a lost rank at once (``end``) and any other error,
+    which every rank hits alike, by rank 0 (``Launcher.leave_to_rank_0``)."""
     if mode is None:
         if "MLX_RANK" in os.environ:
             raise DFlashError("this process is a rank started by mlx.launch; pass --distributed tensor "
                               "(or pipeline) so the ranks share one target")
         yield None
         return
-    launch = Launch(init(mode), mode)
-    if talks(launch.group):
-        yield launch
-        return
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
-        yield launch
-
-
-class LostRank(DFlashError):
-    """A rank of the group stopped, or its machine cannot be reached."""
-
-
-@contextlib.contextmanager
-def lost_rank_errors(group: mx.distributed.Group) -> Iterator[None]:
-    """MLX's error for a peer that went away, as one ``LostRank`` line naming this rank."""
-    try:
-        yield
-    except RuntimeError as e:
-        if not str(e).startswith(BACKEND_ERRORS):
-            raise
-        raise LostRank(f"rank {group.rank()}: the distributed group lost a rank ({_one_line(e)}); "
-                       "see the other ranks' output for why") from None
+    with Launcher(launched_rank()) as launcher:
+        try:
+            launch = Launch(init(mode), mode)
+            if talks(launch.group):
+                yield launch
+                return
+            with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), \
+                    contextlib.redirect_stderr(devnull):
+                yield launch
+        except DFlashError as e:
+            if launcher.rank == 0:
+                raise
+            if isinstance(e, LostRank):
+                end(str(e))
+            launcher.leave_to_rank_0(str(e))
 
 
 def broadcast(values: mx.array, group: mx.distributed.Group, stream=mx.cpu) -> mx.array:
@@ -194,9 +305,8 @@ class Watchdog:
     def _watch(self) -> None:
         while not self.stopped.wait(min(1.0, self.timeout / 4)):
             if time.monotonic() - self.last > self.timeout:
-                print(f"error: rank {self.rank}: no progress from the distributed group in {self.timeout:g} s "
-                      "(a rank stopped or its machine is unreachable); exiting", file=sys.__stderr__, flush=True)
-                os._exit(1)
+                end(f"rank {self.rank}: no progress from the distributed group in {self.timeout:g} s "
+                    "(a rank stopped or its machine is unreachable); exiting")
 
     def __enter__(self) -> "Watchdog":
         self.beat()

@@ -7,7 +7,7 @@ SPEC: {"mode": "tensor"|"pipeline"?, "runs": [{"name", "target", "draft", "promp
 Each run decodes with ``dflash_mlx.distributed.stream_generate`` on the
 target sharded by mlx-lm's ``sharded_load`` (tensor parallel, or pipeline stages); a greedy run also
 decodes with mlx-lm's own ``generate_step`` on the same sharded model. This
-rank writes OUT_DIR/rank<r>.json. With "fail", that rank exits or hangs after
+rank writes OUT_DIR/rank<r>.json and prints a line per response. With "fail", that rank exits or hangs after
 that many responses of the first run, the way a crashed or stuck machine would.
 """
 
@@ -64,6 +64,7 @@ def main(spec_path: str, out_dir: str) -> None:
                     time.sleep(3600)
                 tokens += response.tokens
                 blocks.append(response.block_size)
+                print(run["name"], i, flush=True)  # progress, which keeps test_distributed's launch waiting
         except DFlashError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(1)
