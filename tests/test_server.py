@@ -30,8 +30,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_server(log_dir, target, draft, *options):
-    """A ``dflash-mlx serve`` subprocess on 127.0.0.1; yields its base URL."""
+    """A ``dflash-mlx serve`` subprocess on 127.0.0.1; yields its base URL.
+    Its prefix cache's disk tier is its own (in ``log_dir``) unless ``options`` name one, so no
+    server reuses another test's entries."""
     port = free_port()
+    if not {"--prefix-cache-dir", "--no-prefix-cache-disk"} & set(options):
+        options = ("--prefix-cache-dir", str(log_dir / f"prefix-cache-{port}"), *options)
     log = open(log_dir / f"server-{port}.log", "w")
     command = [sys.executable, "-m", "dflash_mlx", "serve", "--model", str(target),
                "--draft", str(draft), "--port", str(port), *options]  # binds 127.0.0.1 by default
