@@ -106,6 +106,7 @@ def generate(
         None, "--draft", "-d", help="DFlash draft: hub repo id or local directory. Default: from the registry (see `dflash-mlx models`)."
     ),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or '-' to read it from stdin."),
+    image: Optional[list[str]] = typer.Option(None, "--image", help="Image file or URL for the prompt; repeatable (docs/vision.md)."),
     max_tokens: Optional[int] = typer.Option(
         None, "--max-tokens", "-n", show_default=False,
         help=f"Stop after this many generated tokens. Default: {MAX_TOKENS} ({DEMO_MAX_TOKENS} for the demo pair).",
@@ -198,30 +199,29 @@ def generate(
 
         with session(distributed) as launch:
             _run(pair.target, pair.draft, text, chat, stop, demo if show_drafts is None else show_drafts, no_color,
-                 launch, draft_dtype, block_size=block_size, tree_budget=tree_budget, **options)
+                 launch, draft_dtype, block_size=block_size, tree_budget=tree_budget, images=image or None, **options)
     except DFlashError as e:
         _fail(str(e))
 
 
 def _run(model_id: str, draft_id: str, text: str, chat: Optional[dict], stops: list[str],
          show_drafts: bool, no_color: bool, launch=None, draft_dtype: str = "auto", **options) -> None:
-    """Load the pair, template the prompt (``chat``: apply_template's options, or
-    None for the text as is) and stream the output up to the first of ``stops``,
-    styled by origin when ``show_drafts`` and stdout shows colors; the figures
-    go to stderr. ``launch``: this rank of a distributed launch (``distributed.Launch``);
-    ``draft_dtype``: ``--draft-dtype``."""
+    """Load the pair, template the prompt (``chat``: apply_template's options, or None for the text as is)
+    and stream the output up to the first of ``stops``, styled by origin when ``show_drafts`` and stdout
+    shows colors; the figures go to stderr. ``launch``: this rank of a distributed launch
+    (``distributed.Launch``); ``draft_dtype``: ``--draft-dtype``."""
     from .chat import apply_template, has_template, thinking_note
     from .display import LEGEND, Output, Tally, styled_console
     from .generate import stream_generate
     from .loading import load, load_draft
     from .validate import UntrainedBlockWarning
+    from .vision import user_turn
 
     model, tokenizer = launch.load(model_id) if launch else load(model_id)
     draft = load_draft(draft_id, dtype=draft_dtype)
-    note = None
     if chat is not None:  # without a template, apply_template joins the messages (as the server does)
-        text = apply_template(tokenizer, text, **chat)
-        note = thinking_note(chat["enable_thinking"]) if has_template(tokenizer) else None
+        text = apply_template(tokenizer, user_turn(text, options.get("images")), **chat)
+    note = thinking_note(chat["enable_thinking"]) if chat is not None and has_template(tokenizer) else None
     console = styled_console(no_color) if show_drafts else None
     output = Output(stops, console, tokenizer.detokenizer)
     tally = Tally()

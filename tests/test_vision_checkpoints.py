@@ -192,7 +192,21 @@ def test_an_image_is_refused_in_one_line_without_a_vision_tower(qwen_vision, tar
                  images=[str(tmp_path / "x.png")])
 
 
-def template_ids_for(tokenizer) -> list[int]:
+def template_ids_for(tokenizer, text: str = "hi") -> list[int]:
     from dflash_mlx.chat import template_ids
 
-    return template_ids(tokenizer, image_messages("hi", 1))
+    return template_ids(tokenizer, image_messages(text, 1))
+
+
+def test_generate_image_on_the_command_line_equals_the_python_api(qwen_vision, tmp_path):
+    from cli_run import cli, one_error_line
+
+    target_dir, draft_path = qwen_vision
+    picture(5).save(tmp_path / "p.png")
+    model, tokenizer = load(str(target_dir))
+    want = generate(model, load_draft(str(draft_path)), tokenizer, template_ids_for(tokenizer, "what is this"),
+                    max_tokens=12, block_size=4, images=[str(tmp_path / "p.png")])
+    pair = ["generate", "--model", target_dir, "--draft", draft_path, "-n", 12, "-b", 4]
+    out = cli(*pair, "--image", tmp_path / "p.png", "--prompt", "what is this")
+    assert out.returncode == 0 and out.stdout.strip() == want.text.strip(), out.stderr
+    one_error_line(cli(*pair, "--image", tmp_path / "none.png", "--prompt", "x"), "none.png")

@@ -6,7 +6,7 @@ Modules outside this folder use what is named here."""
 
 from .sources import MAX_IMAGE_BYTES, Image, ImageSource, read_image
 from .target import ImagePrompt, VisionTarget
-from .tower import FAMILIES, remember, tower, with_images
+from .tower import FAMILIES, remember, tower, user_turn, with_images
 
 __all__ = ["MAX_IMAGE_BYTES", "Image", "ImageSource", "read_image", "ImagePrompt", "VisionTarget", "FAMILIES",
-           "remember", "tower", "with_images"]
+           "remember", "tower", "user_turn", "with_images"]

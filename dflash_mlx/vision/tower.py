@@ -11,6 +11,7 @@ import json
 import threading
 import weakref
 from pathlib import Path
+from typing import Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,6 +75,13 @@ def tower(target: Target):
         if found is None:
             found = _towers[id(target.model)] = _load(target.model)
     return found
+
+
+def user_turn(text: str, images) -> Union[str, list[dict]]:
+    """The user's turn for the chat template: ``text`` alone, or after one image part per image."""
+    if not images:
+        return text
+    return [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}]
 
 
 def with_images(target: Target, ids: mx.array, images: list[ImageSource]) -> tuple[VisionTarget, mx.array, list[str]]:
