@@ -8,7 +8,7 @@ every row; a row that ends leaves the batch with its caches, which go to the
 prefix cache. What cannot batch decodes one request at a time, each to its
 end, through ``stream_generate``: a quantized KV cache (``kv``), an engine
 whose generator is not the library's own (``server/distributed.py``) and
-``max_concurrency == 1``. Either way a request never waits behind one that
+``max_concurrency == 1``; and a request with images, once the rows before it end. Either way a request never waits behind one that
 arrived after it (``--max-tokens-limit`` bounds how long one takes).
 
 The worker streams events back to the request's asyncio loop. A cancelled
@@ -30,6 +30,7 @@ from ..generate import check_pair, stream_generate
 from ..loading import load, load_draft
 from ..targets import Target
 from .batch import Rows
+from .images import refusal
 # a request and its events, which the routes and the distributed engine take from here
 from .jobs import Delta, Event, Failed, Finished, Job, Request, Usage, internal  # noqa: F401
 from .logprobs import picked
@@ -82,6 +83,7 @@ class Engine:
         self.vocab_size = 0
         self.context_length: Optional[int] = None
         self.prefix_cache: Optional[PrefixCache] = None
+        self.image_refusal: Optional[str] = None  # why requests with images are refused; None: they are taken
         self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._lock = threading.Lock()
         self._active = 0  # admitted and not yet released: waiting or decoding
@@ -176,6 +178,7 @@ class Engine:
         for _ in self._stream(encode(self.tokenizer, "hello"), max_tokens=2):
             pass
         self.prefix_cache = self._prefix_cache()
+        self.image_refusal = refusal(self.target, self.generator is stream_generate)
         if self.width > 1:
             self._rows = Rows(self.target, self.draft, self.tokenizer, self.block_size, self.draft_vocab,
                               self.prefix_cache, self._end, self._cancelled)
@@ -238,18 +241,22 @@ class Engine:
         """Each request in turn, to its end."""
         while (job := self._next_job()) is not None:
             job.started = True
-            try:
-                if not job.cancelled.is_set():
-                    self._solo = 1
-                    self._generate(job)
-            except DFlashError as e:
-                job.emit(Failed(400, str(e)))
-            except Exception as e:  # keep serving; the caches of this request are dropped
-                job.emit(internal(e))
-            finally:
-                self._solo = 0
-                self._release(job)
-                self._update_stats()
+            self._alone(job)
+
+    def _alone(self, job: Job) -> None:
+        """Decode one request to its end."""
+        try:
+            if not job.cancelled.is_set():
+                self._solo = 1
+                self._generate(job)
+        except DFlashError as e:
+            job.emit(Failed(400, str(e)))
+        except Exception as e:  # keep serving; the caches of this request are dropped
+            job.emit(internal(e))
+        finally:
+            self._solo = 0
+            self._release(job)
+            self._update_stats()
 
     def _serve_batch(self) -> None:
         """Admit queued requests (first in, first out) while a row is free,
@@ -262,7 +269,7 @@ class Engine:
                 if stopping or (job := self._next_job()) is None:
                     return
                 job.started = True
-                rows.admit(job)
+                self._admit(job)
             while not stopping and len(rows) < self.width:
                 try:
                     job = self._queue.get_nowait()
@@ -272,9 +279,19 @@ class Engine:
                     stopping = True
                 else:
                     job.started = True
-                    rows.admit(job)
+                    self._admit(job)
             if rows:
                 rows.cycle()
+
+    def _admit(self, job: Job) -> None:
+        """The job joins the batch; one with images, which the batch does not
+        take, decodes alone once the rows before it have ended."""
+        if not job.request.images:
+            self._rows.admit(job)
+            return
+        while self._rows:
+            self._rows.cycle()
+        self._alone(job)
 
     def _end(self, job: Job, event: Optional[Event]) -> None:
         """A job the batch took is done: its last event, then its slot is free."""
@@ -285,15 +302,19 @@ class Engine:
 
     def _generate(self, job: Job) -> None:
         request = job.request
-        context = self.prefix_cache.take(request.prompt)
-        usage = Usage(len(request.prompt), cached_tokens=len(context.tokens))
+        # the prefix cache keys its entries by text tokens alone: a request with images neither reads nor feeds it
+        cache = None if request.images else self.prefix_cache
+        context = cache.take(request.prompt) if cache else None
+        usage = Usage(len(request.prompt), cached_tokens=len(context.tokens) if cache else 0)
         stops = StopMatcher(request.stop)
-        mark, snapshot = self.prefix_cache.mark(context, request.prompt, self.tokenizer)
+        mark, snapshot = cache.mark(context, request.prompt, self.tokenizer) if cache else (0, None)
         finish, error = "cancelled", None
         responses = self._stream(request.prompt, max_tokens=request.max_tokens, context=context,
-                                 logprobs=request.logprobs is not None, **request.sampling)
+                                 logprobs=request.logprobs is not None, images=request.images or None,
+                                 **request.sampling)
         try:
             for i, r in enumerate(responses):
+                usage.prompt_tokens = r.prompt_tokens  # an image's rows included
                 if i > 0:
                     usage.cycles += 1
                     usage.accepted += r.accepted
@@ -313,5 +334,6 @@ class Engine:
         finally:
             responses.close()
         # only a request that ran to a cycle boundary leaves caches worth keeping
-        self.prefix_cache.put(context, mark, snapshot)
+        if cache:
+            cache.put(context, mark, snapshot)
         job.emit(Finished(finish, usage, stops.matched, error))

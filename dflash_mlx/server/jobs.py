@@ -21,6 +21,7 @@ class Request:
     sampling: dict  # stream_generate's sampling keyword arguments
     stop: list[str] = field(default_factory=list)
     logprobs: Optional[int] = None  # each token's log-probability with this many top alternatives; None: none
+    images: list = field(default_factory=list)  # vision.Image, one per image placeholder of the prompt
 
 
 @dataclass
