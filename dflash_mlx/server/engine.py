@@ -8,8 +8,9 @@ every row; a row that ends leaves the batch with its caches, which go to the
 prefix cache. What cannot batch decodes one request at a time, each to its
 end, through ``stream_generate``: a quantized KV cache (``kv``), an engine
 whose generator is not the library's own (``server/distributed.py``) and
-``max_concurrency == 1``; and a request with images, once the rows before it end. Either way a request never waits behind one that
-arrived after it (``--max-tokens-limit`` bounds how long one takes).
+``max_concurrency == 1``; and a request with images, once the rows before
+it end. Either way a request never waits behind one that arrived after it
+(``--max-tokens-limit`` bounds how long one takes).
 
 The worker streams events back to the request's asyncio loop. A cancelled
 request (its client went away) gives its slot back at once and stops at the
