@@ -2,7 +2,8 @@
 
 A request is turned into the chat request the OpenAI route would get for the
 same conversation (system, turns, ``tool_use`` blocks as an assistant's tool
-calls, ``tool_result`` blocks as tool messages, tools as function schemas), so
+calls, ``tool_result`` blocks as tool messages, ``image`` blocks as image
+parts, tools as function schemas), so
 it goes through the same chat template, engine, prefix cache and reply
 splitter. The reply comes back as Anthropic's message: ``thinking``, ``text``
 and ``tool_use`` content blocks, streamed as Anthropic's events.
@@ -19,6 +20,7 @@ from pydantic import Field, StrictBool
 from sse_starlette import EventSourceResponse
 
 from . import engine as eng
+from . import images
 from .errors import APIError
 from .parts import Parts, ReplySplitter
 from .prompts import chat_ids, unicode_text
@@ -56,6 +58,7 @@ class Block(Body):
     input: Optional[dict] = None
     tool_use_id: Optional[str] = None  # tool_result
     content: Union[str, list["Block"], None] = None
+    source: Optional[dict] = None  # image: {type: base64, media_type, data} or {type: url, url}
 
 
 class Turn(Body):
@@ -108,6 +111,12 @@ class Conversation(Body):
         thinking = None if self.thinking is None else switch.get(self.thinking.type)
         return ChatRequest(messages=messages, tools=self._tools(), tool_choice=self._tool_choice(),
                            enable_thinking=thinking, **sampling)
+
+    def image_sources(self) -> list[images.Source]:
+        """(field, URL) of each image block, in the prompt's order."""
+        return [(f"messages[{i}].content[{j}].source", _image_url(block, f"messages[{i}].content[{j}]"))
+                for i, turn in enumerate(self.messages) for j, block in enumerate(turn.content)
+                if not isinstance(turn.content, str) and block.type == "image"]
 
     def _tools(self) -> Optional[list[dict]]:
         if not self.tools:
@@ -168,21 +177,42 @@ def _block_text(block: Block, at: str) -> str:
     return block.text
 
 
+def _image_url(block: Block, at: str) -> str:
+    """An image block's source as a URL: base64 data as a data URL."""
+    source = block.source or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise APIError(400, f"{at}.source must be {{type: base64, media_type, data}} or {{type: url, url}}",
+                   f"{at}.source")
+
+
+def _user(parts: list[dict]) -> dict:
+    """The user's message of text and image parts: the text joined where it holds no image."""
+    if any(part["type"] == "image_url" for part in parts):
+        return {"role": "user", "content": parts}
+    return {"role": "user", "content": "".join(part["text"] for part in parts)}
+
+
 def _messages(turn: Turn, where: str) -> list[dict]:
     """One turn as OpenAI chat messages: an assistant's text and tool calls
     (its thinking blocks are dropped, as OpenAI clients drop reasoning), or
-    the user's tool results (tool messages) and text, in their order."""
+    the user's tool results (tool messages), text and images, in their order."""
     if isinstance(turn.content, str):
         return [{"role": turn.role, "content": _text(turn.content, f"{where}.content")}]
-    allowed = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
-    messages, text, calls = [], [], []
+    allowed = {"user": ("text", "image", "tool_result"),
+               "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+    messages, parts, calls = [], [], []
     for j, block in enumerate(turn.content):
         at = f"{where}.content[{j}]"
         if block.type not in allowed[turn.role]:
             raise APIError(400, f"{at}: content blocks of type '{block.type}' are not supported in a "
                                 f"{turn.role} message; only {', '.join(allowed[turn.role])}", f"{at}.type")
         if block.type == "text":
-            text.append(_text(_block_text(block, at), f"{at}.text"))
+            parts.append({"type": "text", "text": _text(_block_text(block, at), f"{at}.text")})
+        elif block.type == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)}})
         elif block.type == "tool_use":
             if not block.id or not block.name:
                 raise APIError(400, f"{at}: a tool_use block needs its id and name", at)
@@ -191,14 +221,15 @@ def _messages(turn: Turn, where: str) -> list[dict]:
         elif block.type == "tool_result":
             if not block.tool_use_id:
                 raise APIError(400, f"{at}: a tool_result block needs its tool_use_id", f"{at}.tool_use_id")
-            if text:
-                messages.append({"role": "user", "content": "".join(text)})
-                text = []
+            if parts:
+                messages.append(_user(parts))
+                parts = []
             messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
                              "content": _text(block.content, f"{at}.content")})
     if turn.role == "assistant":
-        return [{"role": "assistant", "content": "".join(text), **({"tool_calls": calls} if calls else {})}]
-    return messages + ([{"role": "user", "content": "".join(text)}] if text or not messages else [])
+        text = "".join(part["text"] for part in parts)
+        return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+    return messages + ([_user(parts)] if parts or not messages else [])
 
 
 class MessageReply:
@@ -290,13 +321,13 @@ def add_routes(app: FastAPI, engine: eng.Engine, model_name: str, enable_thinkin
                tokenized, submit, watch) -> None:
     """Register the Messages routes on ``app``. ``tokenized(prompt_ids, *args)``
     runs a prompt function on the tokenizing thread, ``submit(chat_request,
-    ids)`` queues a job, ``watch(job, request)`` cancels it when the client goes away."""
+    ids, images)`` queues a job, ``watch(job, request)`` cancels it when the client goes away."""
 
     @app.post(ROUTE)
     async def messages(body: MessagesRequest, request: Request):
         chat = body.chat()
         ids = await tokenized(chat_ids, engine.tokenizer, chat, enable_thinking)
-        job = submit(chat, ids)
+        job = submit(chat, ids, await images.read(body.image_sources(), engine.image_refusal))
         reply = MessageReply(model_name, ReplySplitter(engine.tokenizer, ids, chat.called_tools()), len(ids))
         if body.stream:
             return EventSourceResponse(_stream(job, reply), sep="\n", shutdown_grace_period=3)

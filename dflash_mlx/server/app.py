@@ -32,7 +32,7 @@ from .. import structured, validate
 from ..errors import DFlashError
 from ..loop import SamplingParams
 from ..precision import dtype_name
-from . import anthropic, responses
+from . import anthropic, images, responses
 from . import engine as eng
 from .errors import APIError
 from .logprobs import Logprobs, Picked
@@ -187,11 +187,13 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
         ids = await _tokenized(completion_ids, engine.tokenizer, _checked(body), engine.vocab_size)
         return await _complete(body, await _queued(body, ids, None), request, None)
 
-    async def _chat(body: ChatRequest) -> tuple[eng.Job, ReplySplitter]:
-        """A chat request checked, through its template and queued, with the splitter of its reply."""
+    async def _chat(body: ChatRequest, sources: Optional[list[images.Source]] = None) -> tuple[eng.Job, ReplySplitter]:
+        """A chat request checked, through its template, its images read (``sources``:
+        its own image parts unless given) and queued, with the splitter of its reply."""
         ids = await _tokenized(chat_ids, engine.tokenizer, _checked(body), settings.enable_thinking)
+        pictures = await images.read(body.image_sources() if sources is None else sources, engine.image_refusal)
         splitter = ReplySplitter(engine.tokenizer, ids, body.called_tools())
-        return await _queued(body, ids, splitter), splitter
+        return await _queued(body, ids, splitter, pictures), splitter
 
     async def _tokenized(prompt_ids, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(tokenizing, prompt_ids, *args)
@@ -202,14 +204,14 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             raise APIError(400, problem[1], problem[0], "unsupported_value")
         return body
 
-    async def _queued(body: Sampling, ids: list[int], splitter: Optional[ReplySplitter]) -> eng.Job:
+    async def _queued(body: Sampling, ids: list[int], splitter: Optional[ReplySplitter], pictures=()) -> eng.Job:
         """The request's job, once its ``response_format`` compiles (for a chat, after any thinking block)."""
         if body.response_format is not None:  # compiled off the event loop, like prompts
             if splitter is not None and initial_state(engine.tokenizer, ids) == "reasoning":
                 # the prompt leaves a thinking block open: the grammar holds the answer after it
                 body.response_format = {"after": engine.tokenizer.think_end, **body.response_format}
             await _tokenized(_check_format, body.response_format, engine.tokenizer, engine.vocab_size)
-        return _submit(body, ids)
+        return _submit(body, ids, pictures)
 
     async def _complete(body: Sampling, job: eng.Job, request: Request, splitter: Optional[ReplySplitter]):
         """Run the request's job; a chat one (with a ``splitter``) replies in parts."""
@@ -221,14 +223,15 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             return EventSourceResponse(_stream(job, reply, include_usage), sep="\n", shutdown_grace_period=3)
         return await _collect(job, reply, request)
 
-    def _submit(body: Sampling, ids: list[int]) -> eng.Job:
-        """Queue the request's job (429 when the queue is full, 503 when shutting down)."""
+    def _submit(body: Sampling, ids: list[int], pictures=()) -> eng.Job:
+        """Queue the request's job, with its images (429 when the queue is full, 503 when shutting down)."""
         job_request = eng.Request(
             prompt=ids,
             max_tokens=_max_tokens(body, len(ids), settings, engine.context_length),
             sampling=_sampling(body, engine.vocab_size),
             stop=[unicode_text(s, "stop") for s in body.stop_strings()],
             logprobs=body.top_logprobs_asked(),
+            images=list(pictures),
         )
         try:
             job = engine.submit(job_request, asyncio.get_running_loop())

@@ -24,11 +24,18 @@ def unicode_text(text: str, param: str) -> str:
     return text
 
 
-def _text(content, param: str) -> str:
+def _content(content, param: str):
+    """A message's content for the template: its text parts joined, or, with
+    images, its parts in order, an image as ``{"type": "image"}`` (as
+    ``vision.user_turn`` writes it; the template writes its placeholder)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return unicode_text(content, param)
+    if any(part.type == "image_url" for part in content):
+        return [{"type": "image"} if part.type == "image_url" else
+                {"type": "text", "text": unicode_text(part.text, f"{param}[{j}].text")}
+                for j, part in enumerate(content)]
     return unicode_text("".join(part.text or "" for part in content), param)
 
 
@@ -51,7 +58,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
 
 def _message(m: Message, i: int) -> dict:
     message = {"role": "system" if m.role == "developer" else m.role,
-               "content": _text(m.content, f"messages[{i}].content")}
+               "content": _content(m.content, f"messages[{i}].content")}
     if m.tool_calls:
         message["tool_calls"] = _tool_calls(m.tool_calls, f"messages[{i}].tool_calls")
     message.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None})

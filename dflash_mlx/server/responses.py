@@ -2,9 +2,9 @@
 
 A request is turned into the chat request the chat route would get for the
 same conversation (``instructions`` and developer items as the system
-message, ``message`` items as turns, ``function_call`` and
-``function_call_output`` items as an assistant's tool calls and tool
-messages, function tools as function schemas, ``text.format`` as
+message, ``message`` items as turns (``input_image`` parts as image parts),
+``function_call`` and ``function_call_output`` items as an assistant's tool
+calls and tool messages, function tools as function schemas, ``text.format`` as
 ``response_format``), and runs through that route's own pipeline: template,
 grammar, queue, engine, prefix cache and reply splitter. A custom (freeform)
 tool, such as Codex's ``apply_patch``, is offered to the model as a function
@@ -29,6 +29,7 @@ from pydantic import Field, StrictBool
 from sse_starlette import EventSourceResponse
 
 from . import engine as eng
+from . import images
 from .errors import APIError
 from .logprobs import MAX_TOP, Logprobs
 from .prompts import unicode_text
@@ -80,6 +81,18 @@ class ResponsesRequest(Sampling):
             logprobs=asked or None, top_logprobs=self.top_logprobs if asked else None,
             enable_thinking=False if effort == "none" else None, **sampling,
         )
+
+    def image_sources(self, earlier: list[dict]) -> list[images.Source]:
+        """(field, URL) of each ``input_image`` part, in the prompt's order;
+        those of the ``earlier`` items are named by ``previous_response_id``."""
+        found = []
+        for i, item in enumerate(earlier + self.items()):
+            content = item.get("content") if item.get("type", "message") == "message" else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if _is_image(part):
+                    current = f"input[{i - len(earlier)}].content[{j}].image_url"
+                    found.append(("previous_response_id" if i < len(earlier) else current, part["image_url"]))
+        return found
 
     def items(self) -> list[dict]:
         """The input as items: a string is one user message."""
@@ -143,16 +156,38 @@ def _text(content, at: str) -> str:
         return unicode_text(content or "", at)
     if not isinstance(content, list):
         raise APIError(400, f"{at} must be a string or a list of text parts", at)
-    texts = []
+    return unicode_text("".join(_part_text(part, f"{at}[{j}]") for j, part in enumerate(content)), at)
+
+
+def _part_text(part, at: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in TEXT_PARTS:
+        raise APIError(400, f"{at}: content parts of type {kind!r} are not supported; only "
+                            f"{', '.join(TEXT_PARTS)} (and input_image in a user or assistant turn)", f"{at}.type")
+    if not isinstance(part.get("text"), str):
+        raise APIError(400, f"{at}.text: Field required", f"{at}.text")
+    return part["text"]
+
+
+def _is_image(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "input_image"
+
+
+def _content(content, at: str):
+    """A turn's content: its text, or, where it holds ``input_image`` parts,
+    its text and image parts in order, as the chat route takes them."""
+    if not isinstance(content, list) or not any(_is_image(part) for part in content):
+        return _text(content, at)
+    parts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            raise APIError(400, f"{at}[{j}]: content parts of type {kind!r} are not supported; only "
-                                f"{', '.join(TEXT_PARTS)}", f"{at}[{j}].type")
-        if not isinstance(part.get("text"), str):
-            raise APIError(400, f"{at}[{j}].text: Field required", f"{at}[{j}].text")
-        texts.append(part["text"])
-    return unicode_text("".join(texts), at)
+        if not _is_image(part):
+            parts.append({"type": "text", "text": _part_text(part, f"{at}[{j}]")})
+        elif isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise APIError(400, f"{at}[{j}].image_url: Field required (a data URL or an http(s) URL; "
+                                "file_id is not supported)", f"{at}[{j}].image_url")
+    return parts
 
 
 def _field(item: dict, name: str, at: str) -> str:
@@ -193,11 +228,11 @@ def messages(items: list[dict], instructions: Optional[str]) -> list[dict]:
             if role not in ("user", "assistant", *SYSTEM):
                 raise APIError(400, f"{at}.role must be one of user, assistant, system, developer; got {role!r}",
                                f"{at}.role")
-            text = _text(item.get("content"), f"{at}.content")
+            content = (_text if role in SYSTEM else _content)(item.get("content"), f"{at}.content")
             if role in SYSTEM and not out:
-                system.append(text)
+                system.append(content)
             else:
-                out.append({"role": "user" if role in SYSTEM else role, "content": text})
+                out.append({"role": "user" if role in SYSTEM else role, "content": content})
         elif kind in ("function_call", "custom_tool_call"):
             if not out or out[-1]["role"] != "assistant":
                 out.append({"role": "assistant", "content": ""})
@@ -224,9 +259,10 @@ def renamed(error: APIError) -> APIError:
 
 
 def add_routes(app: FastAPI, engine: eng.Engine, model_name: str, chat, watch) -> None:
-    """Register ``POST /v1/responses`` on ``app``. ``chat(chat_request)`` runs
-    the chat route's pipeline up to the queued job (it returns the job and its
-    reply splitter); ``watch(job, request)`` cancels a job when the client goes away."""
+    """Register ``POST /v1/responses`` on ``app``. ``chat(chat_request,
+    sources)`` runs the chat route's pipeline, with the images at ``sources``,
+    up to the queued job (it returns the job and its reply splitter);
+    ``watch(job, request)`` cancels a job when the client goes away."""
     stored: "OrderedDict[str, list[dict]]" = OrderedDict()  # id -> the items of its conversation
 
     @app.post(ROUTE)
@@ -240,7 +276,7 @@ def add_routes(app: FastAPI, engine: eng.Engine, model_name: str, chat, watch) -
                                     "memory, until it restarts", "previous_response_id")
         chat_request = body.chat(earlier)
         try:
-            job, splitter = await chat(chat_request)
+            job, splitter = await chat(chat_request, body.image_sources(earlier))
         except APIError as e:
             raise renamed(e) from None
         logprobs = None if chat_request.top_logprobs_asked() is None else Logprobs(engine.tokenizer)

@@ -32,9 +32,17 @@ class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
-class TextPart(Body):
+class ContentPart(Body):
+    """A ``text`` part, or an ``image_url`` part: ``{"url": a data URL or an
+    http(s) URL}`` (a bare string is taken too)."""
+
     type: str
     text: Optional[str] = None
+    image_url: Union[str, dict, None] = None
+
+    def url(self) -> Optional[str]:
+        url = self.image_url.get("url") if isinstance(self.image_url, dict) else self.image_url
+        return url if isinstance(url, str) and url else None
 
 
 class FunctionCall(Body):
@@ -50,7 +58,7 @@ class ToolCall(Body):
 
 class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ContentPart], None] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls
     tool_call_id: Optional[str] = None  # the call a tool result answers
     name: Optional[str] = None
@@ -109,9 +117,12 @@ class ChatRequest(Sampling):
             return "top_logprobs", "top_logprobs needs logprobs: true"
         for i, m in enumerate(self.messages):
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-                if part.type != "text":
-                    return f"messages[{i}].content", "only text content parts are supported"
-                if part.text is None:
+                if part.type not in ("text", "image_url"):
+                    return f"messages[{i}].content[{j}].type", "only text and image_url content parts are supported"
+                if part.type == "image_url" and part.url() is None:
+                    return (f"messages[{i}].content[{j}].image_url.url",
+                            f"messages[{i}].content[{j}].image_url.url: Field required (a data URL or an http(s) URL)")
+                if part.type == "text" and part.text is None:
                     return f"messages[{i}].content[{j}].text", f"messages[{i}].content[{j}].text: Field required"
         for i, tool in enumerate(self.tools or []):
             function = tool.get("function") if isinstance(tool.get("function"), dict) else None
@@ -124,6 +135,11 @@ class ChatRequest(Sampling):
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+    def image_sources(self) -> list[tuple[str, str]]:
+        """(field, URL) of each image part, in the prompt's order."""
+        return [(f"messages[{i}].content[{j}].image_url", part.url()) for i, m in enumerate(self.messages)
+                for j, part in enumerate(m.content if isinstance(m.content, list) else []) if part.type == "image_url"]
 
     def top_logprobs_asked(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -63,9 +63,11 @@ def fetch(url: str, limit: int = MAX_IMAGE_BYTES, seconds: float = FETCH_SECONDS
     return data
 
 
-def read_image(source: ImageSource) -> Image:
+def read_image(source: Union[ImageSource, Image]) -> Image:
     """An ``Image`` from a path, bytes, PIL image, data URL or http(s) URL
-    (one-line DFlashError if it cannot be read)."""
+    (one-line DFlashError if it cannot be read); an ``Image`` as it is."""
+    if isinstance(source, Image):  # read already (the server reads a request's images before queueing it)
+        return source
     if isinstance(source, bytes):
         return _decode(source, "an image given as bytes")
     if hasattr(source, "convert") and hasattr(source, "tobytes"):  # a PIL image
