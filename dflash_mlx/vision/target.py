@@ -1,16 +1,17 @@
 """A target whose prompt holds images: the text model's own pass, with the
 images' features in place of their placeholders' embeddings and the family's
-positions (``qwen.py``). Everything after the prefill (drafting,
-verification, rollback) is the text target's: only the embeddings of prompt
-rows and the positions the layers see differ."""
+positions (``qwen.py``) or masks (``gemma.py``). Everything after the
+prefill (drafting, verification, rollback) is the text target's: only the
+embeddings of prompt rows and the positions or masks the layers see differ."""
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
 
-from ..targets import Attention, Target
+from ..targets import Attention, Forward, Target
 
 
 @dataclass
@@ -21,6 +22,14 @@ class ImagePrompt:
     rows: list[int]  # per prompt position: its row of ``features``, or -1
     positions: Optional[mx.array] = None  # [3, P] multimodal RoPE positions (Qwen), or None
     delta: int = 0  # position of every index past the prompt: index + delta
+    spans: list = field(default_factory=list)  # (begin, end) of each image whose rows attend both ways (Gemma 4)
+
+    def runs(self) -> list[tuple[int, int]]:
+        """(begin, end) of each run of image rows."""
+        edges = [-1, *self.rows, -1]
+        begins = [i for i in range(len(self.rows)) if edges[i + 1] >= 0 > edges[i]]
+        ends = [i for i in range(1, len(self.rows) + 1) if edges[i] >= 0 > edges[i + 1]]
+        return list(zip(begins, ends))
 
     def pass_positions(self, start: int, length: int) -> mx.array:
         """[3, length]: the positions of indices start..start+length."""
@@ -68,14 +77,47 @@ class VisionStack:
         return calls
 
 
+@dataclass(frozen=True)
+class BothWays(Attention):
+    """Attention whose image rows also see the later rows of their own image
+    (``spans``), as mlx-vlm's Gemma 4 masks a prompt with images; causal
+    (within the window) everywhere else."""
+
+    spans: tuple = ()
+
+    def mask(self, h: mx.array, cache: Any) -> Any:
+        start, size = (cache.offset if cache is not None else 0), h.shape[1]
+        inside = [(a, b) for a, b in self.spans if a < start + size and start < b]
+        if not inside:
+            return super().mask(h, cache)
+        q, k = mx.arange(start, start + size)[:, None], mx.arange(start + size)[None]
+        mask = create_causal_mask(size, start, window_size=self.window)
+        for a, b in inside:
+            mask = mask | ((q >= a) & (q < b) & (k >= a) & (k < b))
+        return mask
+
+
 class VisionTarget(Target):
     """``Target`` over the same model for one prompt with images."""
 
     def __init__(self, model: nn.Module, family, prompt: ImagePrompt):
         super().__init__(model)
         self.stack = VisionStack(self.stack, family, prompt)
+        if prompt.spans:
+            spans = tuple(prompt.spans)
+            self.kinds = [BothWays(k.name, k.window, spans) if isinstance(k, Attention) else k for k in self.kinds]
 
     def forward(self, tokens: mx.array, cache, layer_ids: list[int], record: bool = False):
         owners = [c for kind, c in zip(self.kinds, cache or []) if isinstance(kind, Attention)]
-        self.stack.start = owners[0].offset if owners else 0
-        return super().forward(tokens, cache, layer_ids, record)
+        start = self.stack.start = owners[0].offset if owners else 0
+        stop, size = start + tokens.shape[1], tokens.shape[1]
+        end = next((b for a, b in self.stack.prompt.spans if a < stop < b), stop)
+        if end == stop:
+            return super().forward(tokens, cache, layer_ids, record)
+        # a pass ending inside an image whose rows see each other: its last rows
+        # need the rest of the image, so it runs to the image's end and forgets the rest
+        rest = mx.full((tokens.shape[0], end - stop), self.stack.family.image_token_id, dtype=tokens.dtype)
+        out = super().forward(mx.concatenate([tokens, rest], axis=1), cache, layer_ids, record)
+        for kind, c in zip(self.kinds, cache or []):
+            kind.rollback(c, None, size, end - start)
+        return Forward(out.hidden[:, :size], out.features[:, :size])

@@ -19,10 +19,11 @@ import mlx.nn as nn
 from ..errors import DFlashError
 from ..targets import Target
 from .sources import ImageSource, read_image
+from .gemma import GemmaVision
 from .qwen import QwenVision
 from .target import ImagePrompt, VisionTarget
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe")  # model types whose vision towers load (Gemma 4: not yet, docs/vision.md)
+FAMILIES = {"qwen3_5": QwenVision, "qwen3_5_moe": QwenVision, "gemma4": GemmaVision}  # model type -> its vision
 EXTRA = "images need mlx-vlm, the optional 'vision' extra: pip install 'dflash-mlx[vision]'"
 
 _paths: dict[int, tuple[weakref.ref, Path]] = {}  # id(model) -> (the model, its checkpoint), while it lives
@@ -41,7 +42,7 @@ def remember(model: nn.Module, path: Path) -> None:
     _paths[key] = (weakref.ref(model, lambda _: _forget(key)), Path(path))
 
 
-def _load(model: nn.Module):
+def _load(model: nn.Module, model_type: str):
     ref, path = _paths.get(id(model), (None, None))
     if ref is None or ref() is not model:
         raise DFlashError("images need a target loaded with dflash_mlx.load (the vision tower is read "
@@ -56,7 +57,7 @@ def _load(model: nn.Module):
         raise DFlashError(EXTRA) from None
     try:
         vlm = load_model(path, lazy=True)
-        return QwenVision(vlm, path, getattr(model, "language_model", model))
+        return FAMILIES[model_type](vlm, path, getattr(model, "language_model", model))
     except DFlashError:
         raise
     except Exception as e:
@@ -73,7 +74,7 @@ def tower(target: Target):
     with _lock:
         found = _towers.get(id(target.model))
         if found is None:
-            found = _towers[id(target.model)] = _load(target.model)
+            found = _towers[id(target.model)] = _load(target.model, target.model_type)
     return found
 
 
@@ -102,6 +103,8 @@ def with_images(target: Target, ids: mx.array, images: list[ImageSource]) -> tup
     index = mx.cumsum(mx.array([t == family.image_token_id for t in expanded]).astype(mx.int32)) - 1
     where = [r if t == family.image_token_id else -1 for t, r in zip(expanded, index.tolist())]
     prompt = ImagePrompt(features, where)
+    if getattr(family, "bidirectional", False):
+        prompt.spans = prompt.runs()
     expanded = mx.array(expanded)
     if hasattr(family, "positions"):
         prompt.positions, prompt.delta = family.positions(expanded, extra)
