@@ -23,9 +23,9 @@ def pair(request, target_dirs, draft_dir):
 def serve_one(cache, pair, prompt, stop_after=None, **options):
     """What the engine does for one request: (tokens, reused prompt tokens)."""
     target, draft, tokenizer = pair
-    context = cache.take(prompt)
-    reused = len(context.tokens)
-    mark, snapshot = cache.mark(context, prompt, tokenizer)
+    resumed = cache.resume(prompt)
+    context, reused = resumed.context, len(resumed.context.tokens)
+    mark, checkpoints = cache.mark(context, prompt, tokenizer, kept=resumed.checkpoints)
     tokens = []
     responses = stream_generate(target, draft, tokenizer, prompt, context=context, **options)
     for i, r in enumerate(responses):
@@ -33,7 +33,7 @@ def serve_one(cache, pair, prompt, stop_after=None, **options):
         if stop_after is not None and i == stop_after:
             break  # the client went away
     responses.close()
-    cache.put(context, mark, snapshot)
+    cache.put(context, mark, checkpoints)
     return tokens, reused
 
 

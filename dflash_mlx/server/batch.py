@@ -36,8 +36,8 @@ class Live:
 
     job: Job
     row: Row
-    mark: int  # the prefix cache's mark and snapshot of its prompt, for ``put``
-    snapshot: Optional[list]
+    mark: int  # the prefix cache's mark and checkpoints of its prompt, for ``put``
+    checkpoints: list
     usage: Usage
     stops: StopMatcher
     detokenizer: object  # its own streaming detokenizer
@@ -100,9 +100,11 @@ class Rows:
             return
         try:
             with self.on_stream():
-                context = self.prefix_cache.take(request.prompt)
-                usage = Usage(len(request.prompt), cached_tokens=len(context.tokens))
-                mark, snapshot = self.prefix_cache.mark(context, request.prompt, self.tokenizer)
+                resumed = self.prefix_cache.resume(request.prompt)
+                context = resumed.context
+                usage = Usage(len(request.prompt), len(context.tokens), resumed.tier)
+                mark, checkpoints = self.prefix_cache.mark(context, request.prompt, self.tokenizer, request.marks,
+                                                           resumed.checkpoints)
         except Exception as e:  # the batch is untouched
             self.end(job, Failed(400, str(e)) if isinstance(e, DFlashError) else internal(e))
             return
@@ -110,8 +112,8 @@ class Rows:
             with self.on_stream():
                 row, first = self.decoder.add(mx.array(request.prompt), sampler, request.max_tokens, context,
                                               logprobs=request.logprobs is not None, tag=job)
-                live = Live(job, row, mark, snapshot, usage, StopMatcher(request.stop), self.tokenizer.detokenizer,
-                            referee)
+                live = Live(job, row, mark, checkpoints, usage, StopMatcher(request.stop),
+                            self.tokenizer.detokenizer, referee)
                 self.live[job] = live
                 finish = self._feed(live, [first])
                 if finish:
@@ -182,7 +184,7 @@ class Rows:
         """The row leaves the batch; its caches go to the prefix cache."""
         context = self.decoder.remove(live.row)
         mx.eval([c.state for c in context.target + context.draft])  # its own arrays, not views of the batch's
-        self.prefix_cache.put(context, live.mark, live.snapshot)
+        self.prefix_cache.put(context, live.mark, live.checkpoints)
         self._end(live, live.referee.finished(finish, live.usage, live.stops.matched))
 
     def _end(self, live: Live, event: Event) -> None:

@@ -35,7 +35,8 @@ from .images import refusal
 # a request and its events, which the routes and the distributed engine take from here
 from .jobs import Delta, Event, Failed, Finished, Job, Request, Usage, internal  # noqa: F401
 from .logprobs import picked
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, Resume
+from .prefix_checkpoints import DEFAULT_INTERVAL
 from .prefix_disk import DiskConfig, DiskTier, pair_key
 from .stops import StopMatcher
 
@@ -62,7 +63,8 @@ class Engine:
     def __init__(self, model: str, draft: str, block_size: Union[int, str, None] = "auto",
                  max_queue: int = 32, prefix_cache_bytes: int = 0, draft_vocab: Optional[int] = None,
                  kv: Optional[dict] = None, draft_dtype: str = "auto",
-                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY, prefix_disk: Optional[DiskConfig] = None):
+                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY, prefix_disk: Optional[DiskConfig] = None,
+                 prefix_interval: int = DEFAULT_INTERVAL):
         if max_concurrency < 1:
             raise DFlashError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.model_id, self.draft_id = model, draft
@@ -75,6 +77,7 @@ class Engine:
         self._solo = 0  # 1 while a request decodes alone (width 1)
         self.prefix_cache_bytes = prefix_cache_bytes
         self.prefix_disk = prefix_disk  # the prefix cache's disk tier (none without a RAM one)
+        self.prefix_interval = prefix_interval  # hybrid targets' prompts are checkpointed every so many tokens
         self.started = int(time.time())
         self.stats: dict = {}  # replaced (never mutated) by the worker after each request
         # set by _load, on the worker thread:
@@ -193,7 +196,7 @@ class Engine:
     def _prefix_cache(self) -> PrefixCache:
         disk = None if self.prefix_disk is None or not self.prefix_cache_bytes else DiskTier(
             self.prefix_disk, pair_key(self.model_id, self.draft_id, self.draft, self.tokenizer, self.kv))
-        return PrefixCache(self.target, self.draft, self.prefix_cache_bytes, self.kv, disk)
+        return PrefixCache(self.target, self.draft, self.prefix_cache_bytes, self.kv, disk, self.prefix_interval)
 
     def _stream(self, prompt: list[int], **kwargs):
         """``stream_generate`` over this engine's pair, block size, drafting vocabulary and KV cache."""
@@ -305,10 +308,12 @@ class Engine:
         request = job.request
         # the prefix cache keys its entries by text tokens alone: a request with images neither reads nor feeds it
         cache = None if request.images else self.prefix_cache
-        context = cache.take(request.prompt) if cache else None
-        usage = Usage(len(request.prompt), cached_tokens=len(context.tokens) if cache else 0)
+        resumed = cache.resume(request.prompt) if cache else Resume(None)
+        context = resumed.context
+        usage = Usage(len(request.prompt), len(context.tokens) if cache else 0, resumed.tier)
         stops = StopMatcher(request.stop)
-        mark, snapshot = cache.mark(context, request.prompt, self.tokenizer) if cache else (0, None)
+        mark, checkpoints = cache.mark(context, request.prompt, self.tokenizer, request.marks,
+                                       resumed.checkpoints) if cache else (0, [])
         finish, error = "cancelled", None
         responses = self._stream(request.prompt, max_tokens=request.max_tokens, context=context,
                                  logprobs=request.logprobs is not None, images=request.images or None,
@@ -336,5 +341,5 @@ class Engine:
             responses.close()
         # only a request that ran to a cycle boundary leaves caches worth keeping
         if cache:
-            cache.put(context, mark, snapshot)
+            cache.put(context, mark, checkpoints)
         job.emit(Finished(finish, usage, stops.matched, error))

@@ -21,6 +21,7 @@ class Request:
     sampling: dict  # stream_generate's sampling keyword arguments
     stop: list[str] = field(default_factory=list)
     logprobs: Optional[int] = None  # each token's log-probability with this many top alternatives; None: none
+    marks: list[int] = field(default_factory=list)  # prompt positions to checkpoint at: a chat's last turn
     images: list = field(default_factory=list)  # vision.Image, one per image placeholder of the prompt
 
 
@@ -28,20 +29,22 @@ class Request:
 class Usage:
     prompt_tokens: int
     cached_tokens: int = 0  # prompt tokens whose caches were reused, not prefilled
+    cache_tier: Optional[str] = None  # where they came from: "ram", "disk", or None (none reused)
     completion_tokens: int = 0
     cycles: int = 0  # verify cycles
     accepted: int = 0  # drafted tokens the target accepted
     blocks: dict[int, int] = field(default_factory=dict)  # cycles per block size verified (1: a plain step)
 
     def to_dict(self) -> dict:
-        """OpenAI's usage, plus how DFlash served it: cycles, tokens per cycle,
-        the block sizes used and whether any cycle drafted (``decoding``)."""
+        """OpenAI's usage (the cached tokens' tier beside them), plus how DFlash
+        served it: cycles, tokens per cycle, the block sizes used and whether
+        any cycle drafted (``decoding``)."""
         tau = (self.accepted + self.cycles) / self.cycles if self.cycles else None
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens, "cache_tier": self.cache_tier},
             "cycles": self.cycles,
             "tokens_per_cycle": tau,
             "block_sizes": {str(b): n for b, n in sorted(self.blocks.items())},

@@ -4,11 +4,13 @@ Every entry the RAM prefix cache keeps (``prefix_cache.py``) is also written,
 in the background, to one safetensors file by mlx-lm's ``save_prompt_cache``:
 the target's caches as they are (attention K/V, quantized K/V with
 ``--kv-bits``, GatedDeltaNet and convolution states), the recurrent states
-snapshotted at the end of the prompt but its last token (``ArraysCache``
-entries) and each draft layer's injected context (a ``KVCache`` of the
-layer's buffer and the positions it holds). Its metadata, one JSON string,
-holds the layout version, the pair's key, every token the caches hold, where
-the snapshot was taken and where each draft layer's context starts.
+of each checkpoint (``prefix_checkpoints.py``: one ``ArraysCache`` per
+checkpoint and recurrent layer, in that order) and each draft layer's
+injected context (a ``KVCache`` of the layer's buffer and the positions it
+holds). Its metadata, one JSON string, holds the layout version, the pair's
+key, every token the caches hold, where the prompt ends, the recurrent
+layers and the checkpoints' positions, and where each draft layer's context
+starts.
 
 Files live in ``DIR/<pair>/``, ``<pair>`` a hash of the pair's key (target
 and draft: id, the directory they load from and its files' names and sizes;
@@ -49,8 +51,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache, load_prompt_cache, save_pr
 
 from ..loop import ContextCache, cost_curve
 from ..precision import dtype_name
+from .prefix_checkpoints import Checkpoint
 
-LAYOUT = 1  # what an entry holds and how; a file of another layout is removed
+LAYOUT = 2  # what an entry holds and how; a file of another layout is removed
 SUFFIX = ".safetensors"
 META = "dflash_mlx"  # the metadata key (save_prompt_cache stores it as "0.dflash_mlx")
 NAME = re.compile(r"[0-9a-f]{32}\.safetensors")  # an entry; its temporary file is "." + NAME + ".<pid>.tmp" + SUFFIX
@@ -77,9 +80,9 @@ class Stored:
 
     path: Path
     tokens: list[int]
-    prompt_len: int  # where its snapshot was taken
+    prompt_len: int  # where its prompt ends
     recurrent: bool  # the target has layers that cannot be trimmed
-    snapshot: bool
+    checkpoints: list[int]  # where its recurrent states were checkpointed
     nbytes: int
 
 
@@ -159,7 +162,6 @@ class DiskTier:
         self.budget = config.budget_bytes
         self.warn = warn
         self.stored: dict[str, Stored] = {}  # by file name
-        self.hits = 0
         self._seen: Optional[int] = None  # the folder's modification time at the last scan
         self._guard = threading.Lock()  # ``stored``, shared with the writer
         self._lock_file = self._open_lock()
@@ -240,7 +242,7 @@ class DiskTier:
             meta = _metadata(path)
             problem = self._problem(meta, path.name)
             stored = Stored(path, list(meta["tokens"]), int(meta["prompt_len"]), bool(meta["recurrent"]),
-                            meta["snapshot"] is not None, path.stat().st_size)
+                            [int(p) for p in meta["checkpoints"]], path.stat().st_size)
         except FileNotFoundError:
             return None  # evicted by another server meanwhile
         except Exception as e:  # anything a file of bytes can hold
@@ -257,10 +259,10 @@ class DiskTier:
         with self._guard:
             self.stored.pop(path.name, None)
 
-    def load(self, stored: Stored, target, draft) -> Optional[tuple[ContextCache, int, Optional[list]]]:
+    def load(self, stored: Stored, target, draft) -> Optional[tuple[ContextCache, int, list[Checkpoint]]]:
         """The caches of ``stored`` for ``target`` and ``draft`` (evaluated), its
-        prompt_len and snapshot, as ``PrefixCache.put`` took them; None where it
-        is gone or does not check out (removed, with a warning)."""
+        prompt_len and checkpoints, as ``PrefixCache.put`` took them; None where
+        it is gone or does not check out (removed, with a warning)."""
         try:
             _metadata(stored.path)  # its length, again: it may have changed since it was indexed
             caches, metadata = load_prompt_cache(str(stored.path), return_metadata=True)
@@ -280,30 +282,30 @@ class DiskTier:
             return None
         with contextlib.suppress(OSError):
             os.utime(stored.path)  # used: the last to be evicted
-        self.hits += 1
         return loaded
 
     @staticmethod
-    def _restore(caches: list, meta: dict, target, draft) -> tuple[ContextCache, int, Optional[list]]:
+    def _restore(caches: list, meta: dict, target, draft) -> tuple[ContextCache, int, list[Checkpoint]]:
         fresh_target, fresh_draft = target.make_cache(), draft.make_cache()
-        layers = meta["snapshot"]
-        n, s = len(fresh_target), len(layers or [])
+        layers, at = meta["layers"], meta["checkpoints"]
+        n, s = len(fresh_target), len(layers) * len(at)
         if len(caches) != n + s + len(fresh_draft) or any(
                 isinstance(c, ArraysCache) != isinstance(f, ArraysCache) for c, f in zip(caches, fresh_target)):
             raise ValueError("its caches do not fit this pair's layers")
         mx.eval(_arrays(caches))
-        snapshot = None
-        if layers is not None:
-            snapshot = [None] * n
-            for i, c in zip(layers, caches[n: n + s]):
-                snapshot[i] = list(c.cache)
+        checkpoints = []
+        for k, position in enumerate(at):
+            states = [None] * n
+            for i, c in zip(layers, caches[n + k * len(layers): n + (k + 1) * len(layers)]):
+                states[i] = list(c.cache)
+            checkpoints.append(Checkpoint(int(position), states))
         context_draft = []
         for c, f, start in zip(caches[n + s:], fresh_draft, meta["draft_starts"]):
             keys, values = (None, None) if c.keys is None else (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
             context_draft.append(type(f).from_row(keys, values, start, f.keep))
-        return ContextCache(caches[:n], context_draft, list(meta["tokens"])), int(meta["prompt_len"]), snapshot
+        return ContextCache(caches[:n], context_draft, list(meta["tokens"])), int(meta["prompt_len"]), checkpoints
 
-    def save(self, context: ContextCache, prompt_len: int, snapshot: Optional[list], recurrent: bool) -> str:
+    def save(self, context: ContextCache, prompt_len: int, checkpoints: list[Checkpoint], recurrent: bool) -> str:
         """Queue an entry for writing, on the thread that owns its arrays (one
         whose file exists is marked used instead); its file's name. Not
         written: a target cache mlx-lm cannot load, an entry over the budget,
@@ -315,16 +317,18 @@ class DiskTier:
             return name
         if self._writer is None or not all(_savable(c) for c in context.target):
             return name
-        layers = None if snapshot is None else [i for i, s in enumerate(snapshot) if s is not None]
+        layers = [i for i, c in enumerate(context.target) if isinstance(c, ArraysCache)]
         caches = [_detached(c) for c in context.target]
-        caches += [_detached(ArraysCache.from_state((list(snapshot[i]), None, None))) for i in layers or []]
+        caches += [_detached(ArraysCache.from_state((list(c.states[i]), None, None)))
+                   for c in checkpoints for i in layers]
         caches += [_detached(KVCache.from_state((c.keys, c.values, c.held))) for c in context.draft]
         arrays = _arrays(caches)
         if sum(a.nbytes for a in arrays) > self.budget:
             return name
         mx.eval(arrays)
         meta = {"layout": LAYOUT, "pair": self.key, "tokens": list(context.tokens), "prompt_len": prompt_len,
-                "recurrent": recurrent, "snapshot": layers, "draft_starts": [c.start for c in context.draft]}
+                "recurrent": recurrent, "layers": layers, "checkpoints": [c.position for c in checkpoints],
+                "draft_starts": [c.start for c in context.draft]}
         with contextlib.suppress(queue.Full):
             self._writes.put_nowait((name, caches, meta))
         return name
@@ -361,7 +365,7 @@ class DiskTier:
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(temporary)
-            stored = Stored(path, meta["tokens"], meta["prompt_len"], meta["recurrent"], meta["snapshot"] is not None,
+            stored = Stored(path, meta["tokens"], meta["prompt_len"], meta["recurrent"], meta["checkpoints"],
                             path.stat().st_size)
             with self._guard:
                 self.stored[name] = stored
@@ -394,5 +398,5 @@ class DiskTier:
                     self.stored.pop(path.name, None)
 
     def stats(self) -> dict:
-        return {"entries": len(self.stored), "bytes": self.nbytes, "hits": self.hits, "writable": self.writable,
+        return {"entries": len(self.stored), "bytes": self.nbytes, "writable": self.writable,
                 "directory": str(self.folder)}
