@@ -118,10 +118,8 @@ def vlm_inputs(target_dir: Path, expanded: mx.array, images: list):
 
 def test_an_image_prompt_prefills_to_mlx_vlm_s_logits_and_drafts_at_every_acceptance_length(qwen_vision):
     from mlx_vlm.generate.ar import generate_step
-    from test_loop import OracleProposer
 
     from dflash_mlx.chat import template_ids
-    from dflash_mlx.loop import SpeculativeDecoder
     from dflash_mlx.targets import Target
     from dflash_mlx.vision import with_images
 
@@ -141,6 +139,17 @@ def test_an_image_prompt_prefills_to_mlx_vlm_s_logits_and_drafts_at_every_accept
     block = 4
     want = [int(t) for t, _ in generate_step(expanded[None], vlm, inputs.pop("pixel_values"), None,
                                              max_tokens=3 * block + 2, temperature=0.0, **inputs)]
+    assert_every_acceptance_length(target, expanded, want, block)
+
+
+def assert_every_acceptance_length(target, expanded: mx.array, want: list[int], block: int) -> None:
+    """With an oracle draft of ``want`` wrong at each index in turn (and right
+    throughout), prefilled in chunks of 5, two cycles accept exactly that many
+    and stay on ``want`` (3 * block + 2 tokens)."""
+    from test_loop import OracleProposer
+
+    from dflash_mlx.loop import SpeculativeDecoder
+
     for corrupt_at in [*range(block - 1), None]:
         oracle = OracleProposer(expanded.size, want, corrupt_at, target.vocab_size)
         decoder = SpeculativeDecoder(target, oracle, [1], block, prefill_step_size=5)

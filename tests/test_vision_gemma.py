@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from checkpoints import _init_weights, _target_config, write_draft, write_tokenizer
-from test_vision_checkpoints import image_messages, picture
+from test_vision_checkpoints import assert_every_acceptance_length, image_messages, picture
 
 from dflash_mlx import generate, load, load_draft
 
@@ -100,10 +100,7 @@ def vlm_greedy(vlm, ids: mx.array, inputs: dict, n: int) -> list[int]:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_an_image_prompt_prefills_to_mlx_vlm_s_logits_and_drafts_at_every_acceptance_length(gemma_vision):
-    from test_loop import OracleProposer
-
     from dflash_mlx.chat import template_ids
-    from dflash_mlx.loop import SpeculativeDecoder
     from dflash_mlx.targets import Target
     from dflash_mlx.vision import with_images
 
@@ -119,17 +116,8 @@ def test_an_image_prompt_prefills_to_mlx_vlm_s_logits_and_drafts_at_every_accept
     ours = target.logits(target.forward(expanded[None], target.make_cache(), [1]).hidden)
     assert mx.abs(ours - theirs).max().item() < 1e-4 * mx.abs(theirs).max().item() + 1e-3
 
-    block = 4
-    want = vlm_greedy(vlm, ids, inputs, 3 * block + 2)
-    for corrupt_at in [*range(block - 1), None]:  # prefill chunks of 5 end inside both images
-        oracle = OracleProposer(expanded.size, want, corrupt_at, target.vocab_size)
-        decoder = SpeculativeDecoder(target, oracle, [1], block, prefill_step_size=5)
-        out = [decoder.prefill(expanded)]
-        for _ in range(2):
-            cycle = decoder.cycle()
-            assert cycle.accepted == (block - 1 if corrupt_at is None else corrupt_at)
-            out += cycle.tokens
-        assert out == want[: len(out)]
+    # prefill chunks of 5 end inside both images
+    assert_every_acceptance_length(target, expanded, vlm_greedy(vlm, ids, inputs, 3 * 4 + 2), 4)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
