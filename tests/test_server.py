@@ -260,7 +260,10 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
         ("/v1/completions", {"prompt": "a", "logprobs": -1}, 400, "logprobs"),
         ("/v1/chat/completions", CHAT | {"logit_bias": {"99999": 1}}, 400, "logit_bias token id must be below"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "only text content"),
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+         "messages[0].content[0].image_url: target"),  # a text-only target (tests/test_server_vision.py: images)
+        ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400,
+         "only text and image_url content parts"),
         ("/v1/chat/completions", CHAT | {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
         ("/v1/completions", {"prompt": "hello " * 4100, "max_tokens": 4}, 400, "context of 4096 tokens"),
         ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "prompt is empty"),

@@ -250,8 +250,11 @@ def test_auth_takes_x_api_key_or_bearer(server):
 
 @pytest.mark.parametrize("body, status, says", [
     ({"model": "any", "messages": ASK}, 400, "max_tokens: Field required"),
-    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
-     "messages[0].content[0]: content blocks of type 'image' are not supported"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "aGk="}}]}]}, 400,
+     "messages[0].content[0].source: target"),  # a text-only target (tests/test_server_vision.py: images)
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400,
+     "messages[0].content[0]: content blocks of type 'document' are not supported"),
     ({"max_tokens": 8, "messages": ASK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
      "tool type 'web_search_20250305' is not supported"),
     ({"max_tokens": 8, "messages": ASK, "tools": [{"name": "get_weather"}]}, 400,

@@ -266,7 +266,9 @@ def test_json_output_and_logprobs_equal_the_chat_routes(client):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input[0].content[0].type", "'input_image' are not supported"),
+     "input[0].content[0].image_url", "target"),  # a text-only target (tests/test_server_vision.py: images)
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
+     "input[0].content[0].type", "'input_file' are not supported"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "'item_reference' are not supported"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "Field required"),
     ({"input": [{"type": "message", "role": "robot", "content": "hi"}]}, "input[0].role", "'robot'"),
