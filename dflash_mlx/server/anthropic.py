@@ -264,6 +264,7 @@ class MessageReply:
         served = usage.to_dict()
         self.message["usage"] = {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
                                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens,
+                                 "cache_tier": usage.cache_tier,
                                  "output_tokens": usage.completion_tokens} | {k: served[k] for k in DFLASH_USAGE}
         self.message.update(stop_reason=reason, stop_sequence=done.stop_sequence)
         delta = {"stop_reason": reason, "stop_sequence": done.stop_sequence}

@@ -37,6 +37,7 @@ from . import engine as eng
 from .errors import APIError
 from .logprobs import Logprobs, Picked
 from .parts import ReplySplitter, initial_state
+from .prefix_checkpoints import last_turn_start
 from .prompts import chat_ids, completion_ids, unicode_text
 from .schemas import ChatRequest, CompletionRequest, Sampling
 
@@ -193,7 +194,10 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
         ids = await _tokenized(chat_ids, engine.tokenizer, _checked(body), settings.enable_thinking)
         pictures = await images.read(body.image_sources() if sources is None else sources, engine.image_refusal)
         splitter = ReplySplitter(engine.tokenizer, ids, body.called_tools())
-        return await _queued(body, ids, splitter, pictures), splitter
+        # on a hybrid target the prefix cache checkpoints where the last turn starts
+        turn = await _tokenized(last_turn_start, engine.tokenizer, body, ids, settings.enable_thinking) \
+            if engine.prefix_cache.checkpointing else None
+        return await _queued(body, ids, splitter, pictures, [turn] if turn else []), splitter
 
     async def _tokenized(prompt_ids, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(tokenizing, prompt_ids, *args)
@@ -204,14 +208,15 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             raise APIError(400, problem[1], problem[0], "unsupported_value")
         return body
 
-    async def _queued(body: Sampling, ids: list[int], splitter: Optional[ReplySplitter], pictures=()) -> eng.Job:
+    async def _queued(body: Sampling, ids: list[int], splitter: Optional[ReplySplitter], pictures=(),
+                      marks=()) -> eng.Job:
         """The request's job, once its ``response_format`` compiles (for a chat, after any thinking block)."""
         if body.response_format is not None:  # compiled off the event loop, like prompts
             if splitter is not None and initial_state(engine.tokenizer, ids) == "reasoning":
                 # the prompt leaves a thinking block open: the grammar holds the answer after it
                 body.response_format = {"after": engine.tokenizer.think_end, **body.response_format}
             await _tokenized(_check_format, body.response_format, engine.tokenizer, engine.vocab_size)
-        return _submit(body, ids, pictures)
+        return _submit(body, ids, pictures, marks)
 
     async def _complete(body: Sampling, job: eng.Job, request: Request, splitter: Optional[ReplySplitter]):
         """Run the request's job; a chat one (with a ``splitter``) replies in parts."""
@@ -223,8 +228,9 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             return EventSourceResponse(_stream(job, reply, include_usage), sep="\n", shutdown_grace_period=3)
         return await _collect(job, reply, request)
 
-    def _submit(body: Sampling, ids: list[int], pictures=()) -> eng.Job:
-        """Queue the request's job, with its images (429 when the queue is full, 503 when shutting down)."""
+    def _submit(body: Sampling, ids: list[int], pictures=(), marks=()) -> eng.Job:
+        """Queue the request's job, with its images and the prompt positions
+        the prefix cache checkpoints at (429 when the queue is full, 503 when shutting down)."""
         job_request = eng.Request(
             prompt=ids,
             max_tokens=_max_tokens(body, len(ids), settings, engine.context_length),
@@ -232,6 +238,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
             stop=[unicode_text(s, "stop") for s in body.stop_strings()],
             logprobs=body.top_logprobs_asked(),
             images=list(pictures),
+            marks=list(marks),
         )
         try:
             job = engine.submit(job_request, asyncio.get_running_loop())

@@ -74,7 +74,8 @@ class ResponseReply:
         reasoning = len(self.tokenizer.encode(self.reasoning, add_special_tokens=False)) if self.reasoning else 0
         served = usage.to_dict()
         self.response["usage"] = {
-            "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_tier": usage.cache_tier},
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         } | {k: served[k] for k in DFLASH_USAGE}
