@@ -73,13 +73,21 @@ def _fail(message: str) -> None:
     raise typer.Exit(1)
 
 
-def _call(module: str, function: str, **options) -> None:
-    """Hand a command's options to the tool that owns them (imported only when
-    run, so --help stays fast); its DFlashError becomes the one error line."""
+def _call(module: str, function: str, ctx: Optional[typer.Context] = None, **options) -> None:
+    """Hand a command's options (with ``ctx``, also the names of those typed, as ``given``) to the tool
+    that owns them (imported only when run, so --help stays fast); its DFlashError becomes the one error line."""
+    if ctx is not None:
+        options["given"] = _given(ctx)
     try:
         getattr(importlib.import_module(module, __package__), function)(**options)
     except DFlashError as e:
         _fail(str(e))
+
+
+def _given(ctx: typer.Context) -> set[str]:
+    """The command's options typed on its command line, named as --help names them."""
+    return {"/".join([p.opts[0], *p.secondary_opts]) for p in ctx.command.params
+            if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"}
 
 
 def _note(message: str) -> None:
@@ -267,22 +275,15 @@ def models():
 
 @app.command()
 def convert(
-    src: Optional[str] = typer.Argument(
-        None, help="Draft to convert: a local z-lab draft directory or a hub repo id."
-    ),
+    ctx: typer.Context,
+    src: Optional[str] = typer.Argument(None, help="Draft to convert: a local z-lab draft directory or a hub repo id."),
     out: str = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
-    target: Optional[str] = typer.Option(
-        None, "--target", help="Convert this target model (hub id or directory) with mlx-lm's converter instead of a draft."
-    ),
+    target: Optional[str] = typer.Option(None, "--target", help="Convert this target model (hub id or directory) with mlx-lm's converter instead of a draft."),
     quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize (4 bits unless --q-bits)."),
     q_bits: Optional[int] = typer.Option(None, "--q-bits", help="Bits per weight, 4 or 8; implies -q."),
     q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size: 32, 64 or 128."),
-    recipe: Optional[str] = typer.Option(
-        None, "--recipe", help="Drafts: mixed_4_8 (fc and the last layer at 8 bits, the rest at 4). Targets: an mlx-lm recipe (mixed_3_6, ...)."
-    ),
-    dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="float16, bfloat16 or float32 for unquantized tensors and scales. Default: keep the source's."
-    ),
+    recipe: Optional[str] = typer.Option(None, "--recipe", help="Drafts: mixed_4_8 (fc and the last layer at 8 bits, the rest at 4). Targets: an mlx-lm recipe (mixed_3_6, ...)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32 for unquantized tensors and scales. Default: keep the source's."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
 ):
     """Convert a z-lab DFlash draft to MLX, optionally 4/8-bit quantized (or a target, with --target)."""
@@ -291,19 +292,17 @@ def convert(
     try:
         from dflash_mlx.convert import convert_draft, convert_target
         from dflash_mlx.convert.draft import check_options
+        from .validate import needs
 
+        needs(_given(ctx), ["--q-group-size"], "--quantize, --q-bits or --recipe", quantize or q_bits or recipe)
         check_options(q_bits, q_group_size, dtype, None if target else recipe)
         if target is not None:
-            convert_target(
-                target, out, quantize=quantize, bits=q_bits, group_size=q_group_size,
-                dtype=dtype, recipe=recipe, force=force,
-            )
+            convert_target(target, out, quantize=quantize, bits=q_bits, group_size=q_group_size,
+                           dtype=dtype, recipe=recipe, force=force)
         else:
             bits = q_bits or (4 if quantize or recipe else None)
-            convert_draft(
-                src, out, bits=bits, group_size=q_group_size, dtype=dtype,
-                recipe=recipe, force=force, log=lambda m: typer.echo(m, err=True),
-            )
+            convert_draft(src, out, bits=bits, group_size=q_group_size, dtype=dtype,
+                          recipe=recipe, force=force, log=lambda m: typer.echo(m, err=True))
     except DFlashError as e:
         _fail(str(e))
     typer.echo(f"wrote {out}", err=True)
@@ -327,9 +326,7 @@ def draft_vocab(
 
 @app.command()
 def doctor(
-    no_check: bool = typer.Option(
-        False, "--no-check", help="Do not run the kernels' self-checks (they only run where Metal is available)."
-    ),
+    no_check: bool = typer.Option(False, "--no-check", help="Do not run the kernels' self-checks (they only run where Metal is available)."),
 ):
     """Platform, MLX backend, Metal, each custom kernel's status and, on Linux, the BLAS in use."""
     from .doctor import main
@@ -339,6 +336,7 @@ def doctor(
 
 @app.command()
 def train(
+    ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="Target: hub repo id or local mlx-lm directory."),
     out: str = typer.Option(..., "--out", "-o", help="Run directory: checkpoints/, draft/ (MLX layout), eval.json."),
     data: list[str] = typer.Option([], "--data", help="Text or JSONL file or directory; repeat for more. JSONL records: text, prompt (+ completion) or messages."),
@@ -386,6 +384,7 @@ def train(
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: hub repo id or local mlx-lm directory. Default: the bundled demo pair."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash draft. Default: the registry's draft for --model (or the demo pair's)."),
     prompts: str = typer.Option("builtin", "--prompts", "-p", help="builtin (32 tagged prompts), demo (the demo pair's held-out prompts) or a JSONL file of {prompt, category, id}."),

@@ -106,6 +106,17 @@ def kv_options(bits: Optional[int], group_size: int, start: int) -> Optional[dic
     return kv
 
 
+def needs(given: set[str], flags, needed: str, present) -> None:
+    """DFlashError naming the command-line ``flags`` among ``given`` (those
+    typed) when what they act through, ``needed``, is not ``present``: an
+    option that would do nothing is refused, not ignored."""
+    typed = [flag for flag in flags if flag in given]
+    if typed and not present:
+        one = len(typed) == 1
+        raise DFlashError(f"{', '.join(typed)} {'does' if one else 'do'} nothing without {needed}; "
+                          f"give {needed} or leave {'it' if one else 'them'} out")
+
+
 def block_option(text: str, name: str = "--block-size") -> Union[int, str]:
     """A command-line block size: ``auto`` or an integer of at least 2."""
     if text.strip() == AUTO:

@@ -117,7 +117,7 @@ def test_cli_prints_and_writes_the_cluster_prediction(tmp_path):
     (["--machines", "2"], "--machines prices a cluster with --predict"),
     (["--predict", "--preset", "qwen3.5-9b", "--machines", "2", "--link", "tb9"], "unknown --link 'tb9'"),
     (["--predict", "--preset", "qwen3.5-9b", "--machines", "2", "--tree-budget", "8"],
-     "--predict --machines prices chains"),
+     "leave out --tree-budget: bench --predict --machines does not use it"),
     (["--calibrate", "--distributed", "tensor"], "--distributed applies to a measured run"),
 ])
 def test_cli_cluster_options_refused_in_one_line(args, message):

@@ -49,6 +49,46 @@ def _listed(values: Optional[list[str]], parse: Callable, name: str) -> list:
     return out
 
 
+_PAIR = {"--model", "--draft"}
+_PROMPTS = {"--prompts", "--max-tokens", "--block-size", "--repeat", "--limit", "--category", "--dtype", "--draft-dtype",
+            "--no-chat-template", "--thinking/--no-thinking", "--warmup/--no-warmup", "--json"}
+_PRICED = _PAIR | {"--preset", "--tau", "--block-size", "--chip", "--context", "--dtype", "--json"}
+_KV = {"--kv-bits", "--kv-group-size", "--quantized-kv-start"}
+# the options each mode uses; another one given is refused rather than ignored
+USES = {
+    "a measured bench run": _PAIR | _PROMPTS | _KV | {"--temp", "--top-p", "--top-k", "--min-p", "--seed",
+                                                      "--tree-budget", "--plot", "--draft-vocab", "--context",
+                                                      "--distributed"},
+    "bench --concurrency": _PAIR | _PROMPTS | {"--concurrency"},
+    "bench --calibrate": _PAIR | {"--calibrate", "--dtype", "--draft-dtype"},
+    "bench --synthetic": {"--synthetic", "--block-size", "--max-tokens", "--context"},
+    "bench --predict": _PRICED | _KV | {"--predict", "--tree-tau", "--results", "--tree-budget", "--draft-vocab",
+                                        "--neural-accelerators", "--overhead-ms"},
+    "bench --predict --concurrency": _PRICED | {"--predict", "--concurrency", "--neural-accelerators", "--overhead-ms"},
+    "bench --predict --machines": _PRICED | {"--predict", "--machines", "--distributed", "--link",
+                                             "--link-latency-us", "--link-gbs"},
+}
+
+
+def _used(given: set[str], mode: str, json_out: Optional[str]) -> None:
+    """Refuse what ``mode`` would ignore among the options ``given``, then a
+    --json file that cannot be written (checked before any run)."""
+    unused = [flag for flag in sorted(given) if flag not in USES[mode]]
+    if unused:
+        raise DFlashError(f"leave out {', '.join(unused)}: {mode} does not use {'it' if len(unused) == 1 else 'them'}")
+    _output_file(json_out, "--json")
+
+
+def _output_file(path: Optional[str], flag: str) -> None:
+    """DFlashError unless ``path`` is None or names a file that can be written."""
+    if path is None:
+        return
+    if not path.strip():
+        raise DFlashError(f"{flag} needs a file name, got ''")
+    check_output_file(path, flag)
+    validate.writable(path, flag)
+
+
 def parse_block_sizes(values: Optional[list[str]]) -> Optional[list]:
     """``--block-size``: integers or ``auto``; None when none is given."""
     return _listed(values, lambda part: validate.block_option(part, "--block-size"), "--block-size") or None
@@ -77,7 +117,7 @@ def parse_tree_budgets(values: Optional[list[str]]) -> list[int]:
     return _listed(values, _budget, "--tree-budget")
 
 
-def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
+def main(*, given: set[str], model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
          block_size: Optional[list[str]], tree_budget: Optional[list[str]], temp: float,
          top_p: float, top_k: int, min_p: float, seed: int, repeat: int, limit: Optional[int],
          category: Optional[list[str]], dtype: str, no_chat_template: bool,
@@ -89,7 +129,10 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
          kv_group_size: int = 64, quantized_kv_start: int = 5000, distributed: Optional[str] = None,
          machines: int = 1, link: str = "tb5", link_latency_us: Optional[float] = None,
          link_gbs: Optional[float] = None, concurrency: Optional[list[str]] = None) -> None:
-    """Everything ``dflash-mlx bench`` does, from its options as typed."""
+    """Everything ``dflash-mlx bench`` does, from its options as typed (``given``:
+    those typed on the command line; one the chosen mode would ignore is refused)."""
+    validate.needs(given, ["--link", "--link-latency-us", "--link-gbs"], "--machines", machines != 1)
+    validate.needs(given, ["--kv-group-size", "--quantized-kv-start"], "--kv-bits", kv_bits is not None)
     widths = parse_concurrency(concurrency)
     sizes = parse_block_sizes(block_size)
     budgets = parse_tree_budgets(tree_budget)
@@ -120,72 +163,52 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
     if widths and predict:
         if sizes and validate.AUTO in sizes:
             raise DFlashError("--predict prices fixed block sizes; leave 'auto' out of --block-size")
-        others = {"--tree-budget": budgets, "--results": results, "--machines": machines != 1,
-                  "--distributed": distributed, "--kv-bits": kv, "--draft-vocab": draft_vocab is not None,
-                  "--tree-tau": tree_tau is not None}
-        given = [flag for flag, value in others.items() if value]
-        if given:
-            raise DFlashError("--predict --concurrency prices chains of one request per row; "
-                              f"leave out {', '.join(given)}")
         if len(contexts) > 1:
             raise DFlashError("--predict prices one context: give one --context value")
-        if json_out:
-            check_output_file(json_out, "--json")
-            validate.writable(json_out, "--json")
+        _used(given, "bench --predict --concurrency", json_out)
         main_predict_batch(model=model, draft=draft, preset=preset, tau=tau, block_sizes=sizes, widths=widths,
                            chips=chip, context=contexts[0] if contexts else 1024,
                            dtype=None if dtype in ("auto", "keep") else dtype, neural=neural_accelerators,
                            overhead_ms=overhead_ms, json_out=json_out)
         return
     if widths:
-        others = {"--calibrate": calibrate, "--predict": predict, "--synthetic": synthetic, "--tree-budget": budgets,
-                  "--context": contexts, "--kv-bits": kv, "--distributed": distributed, "--plot": plot_out,
-                  "--draft-vocab": draft_vocab is not None, "--temp": temp != 0, "--machines": machines != 1,
-                  "--tau/--tree-tau/--results/--preset": tau is not None or tree_tau is not None or results or preset}
-        given = [flag for flag, value in others.items() if value]
-        if given:
-            raise DFlashError(f"--concurrency measures greedy batched decoding alone; leave out {', '.join(given)}")
+        _used(given, "bench --concurrency", json_out)
         if sizes and len(sizes) > 1:
             raise DFlashError("--concurrency runs one --block-size (auto or an integer); give one")
         validate.options({"max_tokens": max_tokens}, FLAGS)
         validate.integer(repeat, "--repeat", low=1)
         if limit is not None:
             validate.integer(limit, "--limit", low=1)
-        if json_out:
-            check_output_file(json_out, "--json")
-            validate.writable(json_out, "--json")
         main_concurrency(model=model, draft=draft, prompts=prompts, max_tokens=max_tokens, widths=widths,
                          block_size=sizes[0] if sizes else validate.AUTO, repeat=repeat, limit=limit,
                          categories=category, dtype=dtype, chat_template=not no_chat_template,
                          enable_thinking=thinking, warmup=warmup, json_out=json_out, draft_dtype=draft_dtype)
         return
     if calibrate:
+        _used(given, "bench --calibrate", json_out)
         main_calibrate(model=model, draft=draft, dtype=dtype, draft_dtype=draft_dtype)
         return
     if synthetic:
         if sizes and validate.AUTO in sizes:
             raise DFlashError("--synthetic measures fixed block sizes; leave 'auto' out of --block-size")
         validate.options({"max_tokens": max_tokens}, FLAGS)
+        _used(given, "bench --synthetic", json_out)
         main_synthetic(sizes or [16], max_tokens, contexts or None)
         return
-    if json_out:
-        check_output_file(json_out, "--json")
-        validate.writable(json_out, "--json")
     if predict:
         if sizes and validate.AUTO in sizes:
             raise DFlashError("--predict prices fixed block sizes; leave 'auto' out of --block-size")
         if len(contexts) > 1:
             raise DFlashError("--predict prices one context: give one --context value")
         if machines != 1 or distributed is not None:
-            if budgets or draft_vocab is not None or kv is not None or results:
-                raise DFlashError("--predict --machines prices chains: leave out --tree-budget, --draft-vocab, "
-                                  "--kv-bits and --results")
+            _used(given, "bench --predict --machines", json_out)
             main_predict_cluster(model=model, draft=draft, preset=preset, tau=tau, block_sizes=sizes, chips=chip,
                                  context=contexts[0] if contexts else 1024,
                                  dtype=None if dtype in ("auto", "keep") else dtype, machines=machines,
                                  link=find_link(link, link_latency_us, link_gbs),
                                  modes=[distributed] if distributed else list(MODES), json_out=json_out)
             return
+        _used(given, "bench --predict", json_out)
         main_predict(model=model, draft=draft, preset=preset, tau=tau, results=results,
                      block_sizes=sizes, tree_budgets=budgets, tree_tau=tree_tau, chips=chip,
                      context=contexts[0] if contexts else 1024, kv=kv, dtype=None if dtype in ("auto", "keep") else dtype,
@@ -194,18 +217,18 @@ def main(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens
         return
     if tau is not None or tree_tau is not None or results or preset:
         raise DFlashError("--tau, --tree-tau, --results and --preset only apply with --predict")
+    _used(given, "a measured bench run", json_out)
     sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
     validate.options({"max_tokens": max_tokens, "draft_vocab": draft_vocab, **sampling}, FLAGS)
     validate.integer(repeat, "--repeat", low=1)
     if limit is not None:
         validate.integer(limit, "--limit", low=1)
-    if plot_out:  # fail before a long run, not after it
+    _output_file(plot_out, "--plot")  # fail before a long run, not after it
+    if plot_out:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
-        check_output_file(plot_out, "--plot")
-        validate.writable(plot_out, "--plot")
     if distributed is not None and draft_vocab is not None:
         raise DFlashError("--draft-vocab is not supported with --distributed; leave it out")
     with session(distributed) as launch:

@@ -184,7 +184,7 @@ def parse_layer_ids(text: Optional[str]) -> Optional[list[int]]:
 
 
 def run_cli(
-    *, model: str, out: str, data: list[str], self_distill: bool, layers: int,
+    *, given: set[str], model: str, out: str, data: list[str], self_distill: bool, layers: int,
     target_layer_ids: Optional[str], block_size: int, mask_token_id: Optional[int],
     heads: Optional[int], kv_heads: Optional[int], head_dim: Optional[int],
     intermediate_size: Optional[int], sliding_window: Optional[int], arch: str, conv: str,
@@ -195,17 +195,29 @@ def run_cli(
     eval_tokens: int, eval_every: int, checkpoint_every: int, seed: int, resume: bool,
     export_hf: Optional[str], hf_dtype: str,
 ) -> dict:
-    """``dflash-mlx train``: build the configs from command-line values and train."""
+    """``dflash-mlx train``: build the configs from command-line values and train;
+    ``given``: the options typed, so that one its run would ignore is refused."""
     if not data:
         raise DFlashError("give training data with --data (text or JSONL files or directories)")
+    for flags, needed, present in ((("--conv", "--selector", "--selector-weight"), "--arch dflash2", arch == "dflash2"),
+                                   (("--num-prompts", "--distill-tokens", "--cache-features"), "--self-distill",
+                                    self_distill),
+                                   (("--eval-prompts", "--eval-tokens", "--eval-every"), "--eval-count of 1 or more",
+                                    eval_count > 0),
+                                   (("--hf-dtype",), "--export-hf", export_hf is not None),
+                                   (("--sliding-window",), "--layers of 2 or more", layers > 1)):
+        validate.needs(given, flags, needed, present)
     conv_kernel_size, conv_group_size = parse_ints(conv, "--conv", 2)
     selector_rank, selector_top_k = parse_ints(selector, "--selector", 2)
     for name, value in (("--steps", steps), ("--batch-size", batch_size), ("--layers", layers),
                         ("--blocks-per-seq", blocks_per_seq), ("--grad-accum", grad_accum),
                         ("--conv's K", conv_kernel_size), ("--conv's GS", conv_group_size),
-                        ("--selector's R", selector_rank), ("--selector's k", selector_top_k)):
+                        ("--selector's R", selector_rank)):
         if value <= 0:
             raise DFlashError(f"{name} must be positive, got {value}")
+    validate.integer(selector_top_k, "--selector's k", low=2)  # one candidate leaves nothing to select
+    if sliding_window is not None:
+        validate.integer(sliding_window, "--sliding-window", low=1)
     if block_size < 2:
         raise DFlashError(f"--block-size must be at least 2, got {block_size}")
     if arch not in ARCHS:

@@ -92,6 +92,9 @@ def draft_config_for(target: Target, cfg: DraftTrainConfig, mask_token_id: int) 
     if cfg.arch not in ARCHS:
         raise DFlashError(f"unknown draft architecture '{cfg.arch}'; choose {' or '.join(ARCHS)}")
     dflash2 = {name: getattr(cfg, name) for name in DFLASH2_OPTIONS} if cfg.arch == "dflash2" else {}
+    if dflash2 and cfg.selector_top_k > target.vocab_size:
+        raise DFlashError(f"the selector's k ({cfg.selector_top_k}, --selector R,k) is larger than the target's "
+                          f"vocabulary of {target.vocab_size} tokens; choose k of at most {target.vocab_size}")
     config = (DFlash2Config if dflash2 else DraftConfig)(
         **dflash2,
         hidden_size=H,
