@@ -12,9 +12,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anthropic
-import openai
 import pytest
-from test_server import KEY, free_port, post, running_server
+from test_server import KEY, client, free_port, post, running_server  # noqa: F401 (client: over this module's server)
 from test_vision_checkpoints import image_messages, picture, qwen_vision  # noqa: F401 (a fixture)
 
 from dflash_mlx import generate, load, load_draft
@@ -66,11 +65,6 @@ def server(qwen_vision, tmp_path_factory):  # noqa: F811
     with running_server(tmp_path_factory.mktemp("server"), *qwen_vision, "--api-key", KEY,
                         "--max-tokens-limit", "64") as (url, _):
         yield url
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
