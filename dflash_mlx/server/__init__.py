@@ -5,6 +5,7 @@
 ``responses`` OpenAI's Responses API (Codex's) onto the chat route and
 ``responses_stream`` its items and events,
 ``schemas`` the request bodies, ``prompts`` turns them into token ids,
+``images`` reads their images,
 ``jobs`` the queued requests and their events, ``engine`` runs them on the
 MLX worker thread (up to ``--max-concurrency`` at once as the rows of one
 batch, ``batch``; one at a time where they cannot batch), ``stops``
