@@ -109,7 +109,7 @@ def test_bad_kv_and_context_options_are_one_line_errors(target_dirs, draft_dir):
                         (["--context", "1k", "--prompts", "demo"], "--context makes its own prompts"),
                         (["--predict", "--preset", "qwen3.5-9b", "--context", "1k,2k"], "prices one context"),
                         ([*pair, "--kv-bits", "4", "-n", "2", "--limit", "1", "--no-warmup"],
-                         "kv_group_size 64 does not divide the target's head dimension 16")]:
+                         "kv_bits cannot serve this target: its head dimension 16")]:
         res = CliRunner().invoke(app, ["bench", *args])
         assert res.exit_code == 1 and words in res.output, (args, res.output)
         assert "Traceback" not in res.output
