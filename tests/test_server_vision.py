@@ -9,9 +9,11 @@ test_server_responses.py, whose servers have none.)"""
 import base64
 import io
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anthropic
+import httpx
 import pytest
 from test_server import KEY, client, free_port, post, running_server  # noqa: F401 (client: over this module's server)
 from test_vision_checkpoints import image_messages, picture, qwen_vision  # noqa: F401 (a fixture)
@@ -63,7 +65,7 @@ def files():
 @pytest.fixture(scope="module")
 def server(qwen_vision, tmp_path_factory):  # noqa: F811
     with running_server(tmp_path_factory.mktemp("server"), *qwen_vision, "--api-key", KEY,
-                        "--max-tokens-limit", "64") as (url, _):
+                        "--max-tokens-limit", "256") as (url, _):
         yield url
 
 
@@ -100,6 +102,22 @@ def test_two_images_with_the_same_text_get_their_own_replies_and_share_no_cache(
                                                max_tokens=TOKENS)
         assert reply.choices[0].message.content == want(seed).text
         assert reply.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_an_image_request_waits_for_the_batch_s_rows_and_both_replies_are_right(server, client, want):
+    """The batch takes no images: one sent while a text reply decodes runs alone after it."""
+    text = {}
+    writer = threading.Thread(target=lambda: text.update(reply=client.chat.completions.create(
+        model="any", messages=[{"role": "user", "content": "tell a long story"}], max_tokens=256)))
+    writer.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(server + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()["rows"] < 1:
+        assert time.monotonic() < deadline and writer.is_alive()
+        time.sleep(0.05)
+    reply = client.chat.completions.create(model="any", messages=chat_parts(data_url(png(1))), max_tokens=TOKENS)
+    writer.join()
+    assert reply.choices[0].message.content == want(1).text
+    assert text["reply"].usage.completion_tokens == 256 or text["reply"].choices[0].finish_reason == "stop"
 
 
 def test_an_anthropic_image_block_and_a_responses_input_image_equal_the_python_api(server, client, files, want):
