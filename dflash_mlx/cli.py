@@ -107,9 +107,8 @@ def _read_prompt(prompt: str) -> str:
 
 @app.command()
 def generate(
-    model: Optional[str] = typer.Option(
-        None, "--model", "-m", help="Target: hub repo id or local mlx-lm directory. Default: the bundled demo pair (offline)."
-    ),
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: hub repo id or local mlx-lm directory. Default: the bundled demo pair (offline)."),
     draft: Optional[str] = typer.Option(
         None, "--draft", "-d", help="DFlash draft: hub repo id or local directory. Default: from the registry (see `dflash-mlx models`)."
     ),
@@ -179,6 +178,7 @@ def generate(
         from .registry import read_config, resolve_pair
 
         validate.options(options, {**GENERATE_FLAGS, **validate.KV_FLAGS})
+        validate.kv_options(kv_bits, kv_group_size, quantized_kv_start, _given(ctx))
         choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
         tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
         if distributed and kv_bits is not None:
@@ -430,6 +430,7 @@ def bench(
 
 @app.command()
 def serve(
+    ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: hub repo id or local mlx-lm directory. Default: the bundled demo pair (offline)."),
     draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash draft. Default: the registry's draft for --model."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback exposes the server."), port: int = typer.Option(8080, "--port", help="TCP port."),

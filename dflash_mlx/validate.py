@@ -93,12 +93,15 @@ def options(values: dict, flags: Optional[dict] = None) -> None:
 
 
 KV_FLAGS = {"kv_bits": "--kv-bits", "kv_group_size": "--kv-group-size", "quantized_kv_start": "--quantized-kv-start"}
+KV_TUNING = ["--kv-group-size", "--quantized-kv-start"]  # each does nothing without --kv-bits
 
 
-def kv_options(bits: Optional[int], group_size: int, start: int) -> Optional[dict]:
+def kv_options(bits: Optional[int], group_size: int, start: int, given: frozenset = frozenset()) -> Optional[dict]:
     """The quantized KV cache's ``stream_generate`` arguments from the command
     line's ``--kv-bits``, ``--kv-group-size`` and ``--quantized-kv-start``
-    (checked), or None without ``--kv-bits``."""
+    (checked; ``given``: the options typed, the latter two refused without
+    ``--kv-bits``), or None without ``--kv-bits``."""
+    needs(given, KV_TUNING, "--kv-bits", bits is not None)
     if bits is None:
         return None
     kv = {"kv_bits": bits, "kv_group_size": group_size, "quantized_kv_start": start}

@@ -101,3 +101,12 @@ def test_convert_refuses_a_group_size_without_quantizing(tmp_path):
     refused(["convert", tmp_path / "nowhere", "--out", tmp_path / "out", "--q-group-size", "32"],
             "--q-group-size does nothing without --quantize, --q-bits or --recipe")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("extra, wanted", [
+    (["--kv-group-size", "32"], "--kv-group-size does nothing without --kv-bits"),
+    (["--quantized-kv-start", "10"], "--quantized-kv-start does nothing without --kv-bits"),
+])
+def test_generate_and_serve_refuse_kv_tuning_without_kv_bits(command, extra, wanted):
+    refused([command, *extra, *(["--prompt", "x"] if command == "generate" else [])], wanted)

@@ -132,7 +132,7 @@ def main(*, given: set[str], model: Optional[str], draft: Optional[str], prompts
     """Everything ``dflash-mlx bench`` does, from its options as typed (``given``:
     those typed on the command line; one the chosen mode would ignore is refused)."""
     validate.needs(given, ["--link", "--link-latency-us", "--link-gbs"], "--machines", machines != 1)
-    validate.needs(given, ["--kv-group-size", "--quantized-kv-start"], "--kv-bits", kv_bits is not None)
+    validate.needs(given, validate.KV_TUNING, "--kv-bits", kv_bits is not None)
     widths = parse_concurrency(concurrency)
     sizes = parse_block_sizes(block_size)
     budgets = parse_tree_budgets(tree_budget)

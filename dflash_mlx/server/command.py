@@ -50,7 +50,7 @@ def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_t
          draft_vocab: Optional[int] = None, distributed: Optional[str] = None, kv_bits: Optional[int] = None,
          kv_group_size: int = 64, quantized_kv_start: int = 5000, draft_dtype: str = "auto",
          max_concurrency: Optional[int] = None, prefix_cache_dir: Optional[str] = None,
-         prefix_cache_disk_gb: float = DEFAULT_GB, prefix_cache_disk: bool = True) -> None:
+         prefix_cache_disk_gb: float = DEFAULT_GB, prefix_cache_disk: bool = True, given: frozenset = frozenset()) -> None:
     """``dflash-mlx serve``: resolve the pair (the demo pair without --model)
     and serve it; progress goes to stderr. ``distributed``: the target is
     sharded over the ranks mlx.launch started; rank 0 serves, the others follow
@@ -61,7 +61,7 @@ def main(model: Optional[str], draft: Optional[str], host: str, port: int, max_t
     (0 or ``prefix_cache_disk=False``: none; never with ``distributed``)."""
     from ..distributed import session, talks
 
-    kv = kv_options(kv_bits, kv_group_size, quantized_kv_start)
+    kv = kv_options(kv_bits, kv_group_size, quantized_kv_start, given)
     if kv and distributed:
         raise DFlashError("--kv-bits is not supported with --distributed; leave one out")
     pair, block = resolve_pair(model, draft), block_option(block_size, "--block-size")
