@@ -58,7 +58,7 @@ def test_text_and_thinking_equal_the_chat_routes_reply(client, chat):
     assert _input_tokens(reply.usage) == same.usage.prompt_tokens
     assert reply.usage.output_tokens == same.usage.completion_tokens
     # how DFlash served it, as the chat route says
-    assert set(reply.usage.model_extra) == {"cycles", "tokens_per_cycle", "block_sizes", "decoding"}
+    assert set(reply.usage.model_extra) == {"cycles", "tokens_per_cycle", "block_sizes", "decoding", "cache_tier"}
     assert reply.usage.model_extra["decoding"] == same.usage.model_extra["decoding"] == "speculative"
     assert set(reply.usage.model_extra["block_sizes"]) <= {"1", "4"}
 

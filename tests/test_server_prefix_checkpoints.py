@@ -94,8 +94,8 @@ def chat(url, messages, max_tokens=12):
     return reply.json()["choices"][0]["message"]["content"], reply.json()["usage"]
 
 
-def agent(task):
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"},
+def agent(task, system=SYSTEM):
+    return [{"role": "system", "content": system}, {"role": "user", "content": "hello"},
             {"role": "assistant", "content": "hello what can I do"}, {"role": "user", "content": task}]
 
 
@@ -109,6 +109,8 @@ def test_agents_sharing_a_system_prompt_resume_at_the_last_turn_and_after_a_rest
         target_dirs, draft_dir, tmp_path):
     tokenizer = load(str(target_dirs["qwen3_5"]))[1]
     tasks = ["list the files", "delete the logs", "run the tests"]
+    other = [agent(t, "you answer in one line " * 6) for t in ("fix the bug", "add a test")]  # for /v1/messages
+    other_turn = common_prefix(template_ids(tokenizer, other[0][:-1]), template_ids(tokenizer, other[1]))
     history = template_ids(tokenizer, agent("x")[:-1])
     turn = common_prefix(history, template_ids(tokenizer, agent(tasks[1])))
     long = [long_prompt(w) for w in ("red", "blue", "green")]
@@ -117,11 +119,18 @@ def test_agents_sharing_a_system_prompt_resume_at_the_last_turn_and_after_a_rest
     with serving(tmp_path / "none", target_dirs, draft_dir, "qwen3_5", tmp_path / "unused",
                  "--prefix-cache-gb", "0") as (url, _):
         expected = [chat(url, agent(t))[0] for t in tasks] + [complete(url, p)[0] for p in long]
+        alone = [chat(url, m)[0] for m in other]
     directory = tmp_path / "cache"
     with serving(tmp_path / "first", target_dirs, draft_dir, "qwen3_5", directory) as (url, _):
         served = [chat(url, agent(t)) for t in tasks[:2]]
         completed = [complete(url, p) for p in long[:2]]
         health = httpx.get(url + "/health", headers=HEADERS).json()["prefix_cache"]
+        # the Messages route checkpoints its conversations where their last turn starts too
+        messages = [httpx.post(url + "/v1/messages", headers=HEADERS, timeout=120, json={
+            "model": "m", "system": system["content"], "messages": turns, "max_tokens": 12, "temperature": 0}).json()
+            for system, *turns in other]
+    assert [(m["content"][0]["text"], m["usage"]["cache_read_input_tokens"]) for m in messages] == [
+        (alone[0], 0), (alone[1], other_turn)]
     assert [text for text, _ in served] == expected[:2]
     details = [usage["prompt_tokens_details"] for _, usage in served]
     assert details == [{"cached_tokens": 0, "cache_tier": None}, {"cached_tokens": turn, "cache_tier": "ram"}]

@@ -319,16 +319,17 @@ class MessageReply:
 
 
 def add_routes(app: FastAPI, engine: eng.Engine, model_name: str, enable_thinking: Optional[bool],
-               tokenized, submit, watch) -> None:
+               tokenized, submit, marks, watch) -> None:
     """Register the Messages routes on ``app``. ``tokenized(prompt_ids, *args)``
     runs a prompt function on the tokenizing thread, ``submit(chat_request,
-    ids, images)`` queues a job, ``watch(job, request)`` cancels it when the client goes away."""
+    ids, images, marks)`` queues a job, ``marks(chat_request, ids)`` says where its
+    prefix cache checkpoints (the chat route's), ``watch(job, request)`` cancels it when the client goes away."""
 
     @app.post(ROUTE)
     async def messages(body: MessagesRequest, request: Request):
         chat = body.chat()
         ids = await tokenized(chat_ids, engine.tokenizer, chat, enable_thinking)
-        job = submit(chat, ids, await images.read(body.image_sources(), engine.image_refusal))
+        job = submit(chat, ids, await images.read(body.image_sources(), engine.image_refusal), await marks(chat, ids))
         reply = MessageReply(model_name, ReplySplitter(engine.tokenizer, ids, chat.called_tools()), len(ids))
         if body.stream:
             return EventSourceResponse(_stream(job, reply), sep="\n", shutdown_grace_period=3)

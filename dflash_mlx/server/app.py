@@ -194,10 +194,14 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
         ids = await _tokenized(chat_ids, engine.tokenizer, _checked(body), settings.enable_thinking)
         pictures = await images.read(body.image_sources() if sources is None else sources, engine.image_refusal)
         splitter = ReplySplitter(engine.tokenizer, ids, body.called_tools())
-        # on a hybrid target the prefix cache checkpoints where the last turn starts
-        turn = await _tokenized(last_turn_start, engine.tokenizer, body, ids, settings.enable_thinking) \
-            if engine.prefix_cache.checkpointing else None
-        return await _queued(body, ids, splitter, pictures, [turn] if turn else []), splitter
+        return await _queued(body, ids, splitter, pictures, await _turn_marks(body, ids)), splitter
+
+    async def _turn_marks(body: ChatRequest, ids: list[int]) -> list[int]:
+        """Where the prefix cache checkpoints a chat's prompt ``ids`` on a hybrid target: where its last turn starts."""
+        if not engine.prefix_cache.checkpointing:
+            return []
+        turn = await _tokenized(last_turn_start, engine.tokenizer, body, ids, settings.enable_thinking)
+        return [turn] if turn else []
 
     async def _tokenized(prompt_ids, *args) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(tokenizing, prompt_ids, *args)
@@ -294,7 +298,7 @@ def create_app(engine: eng.Engine, settings: Settings) -> FastAPI:
         job.events.put_nowait(eng.Finished("cancelled", eng.Usage(len(job.request.prompt))))
 
     anthropic.add_routes(app, engine, settings.model_name, settings.enable_thinking,
-                         tokenized=_tokenized, submit=_submit, watch=_cancel_on_disconnect)
+                         tokenized=_tokenized, submit=_submit, marks=_turn_marks, watch=_cancel_on_disconnect)
     responses.add_routes(app, engine, settings.model_name, chat=_chat, watch=_cancel_on_disconnect)
     return app
 
