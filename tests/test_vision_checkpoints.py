@@ -77,13 +77,23 @@ def picture(seed: int, size=(20, 28)) -> "PIL.Image.Image":  # noqa: F821
     return Image.fromarray(np.random.default_rng(seed).uniform(0, 255, (*size, 3)).astype(np.uint8))
 
 
-@pytest.fixture(scope="module")
-def qwen_vision(tmp_path_factory):
-    """(target dir, draft dir) of the tiny Qwen3.5 multimodal pair."""
-    path = tmp_path_factory.mktemp("qwen-vision")
-    config = write_qwen_vision_target(path / "target")
+def vision_pair(path: Path, family: str) -> tuple[Path, Path]:
+    """(target dir, draft dir) of a tiny ``family`` multimodal pair under ``path``."""
+    config = write_qwen_vision_target(path / "target", family=family)
     write_draft(path / "draft", config, block_size=8)
     return path / "target", path / "draft"
+
+
+@pytest.fixture(scope="module")
+def qwen_vision(tmp_path_factory):
+    """The tiny Qwen3.5 multimodal pair."""
+    return vision_pair(tmp_path_factory.mktemp("qwen-vision"), "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def qwen_moe_vision(tmp_path_factory):
+    """The tiny Qwen3.5-MoE multimodal pair (mlx-vlm's ``qwen3_5_moe``)."""
+    return vision_pair(tmp_path_factory.mktemp("qwen-moe-vision"), "qwen3_5_moe")
 
 
 def test_a_vision_carrying_qwen3_5_checkpoint_loads_and_generates_text_only(tmp_path, target_dirs, draft_dir):
@@ -161,15 +171,15 @@ def assert_every_acceptance_length(target, expanded: mx.array, want: list[int], 
         assert out == want[: len(out)]
 
 
-@pytest.mark.parametrize("block_size", [2, 8])
-def test_dflash_with_an_image_equals_mlx_vlm_s_greedy_generation(qwen_vision, block_size):
+@pytest.mark.parametrize("pair, block_size", [("qwen_vision", 2), ("qwen_vision", 8), ("qwen_moe_vision", 4)])
+def test_dflash_with_an_image_equals_mlx_vlm_s_greedy_generation(request, pair, block_size):
     from mlx_vlm.generate.ar import generate_step
 
     from dflash_mlx.chat import template_ids
     from dflash_mlx.targets import Target
     from dflash_mlx.vision import with_images
 
-    target_dir, draft_path = qwen_vision
+    target_dir, draft_path = request.getfixturevalue(pair)
     model, tokenizer = load(str(target_dir))
     ids = template_ids(tokenizer, image_messages("describe it", 1))
     _, expanded, _ = with_images(Target(model), mx.array(ids), [picture(3)])
