@@ -19,6 +19,7 @@ from dflash_mlx import DFlashError, Target, batch_generate, generate, load_draft
 from dflash_mlx.draft import DSparkConfig, DSparkDraft
 from dflash_mlx.loop.decoder import DSparkProposer, SpeculativeDecoder
 from dflash_mlx.loop.sampling import BlockSampler, SamplingParams
+from dflash_mlx.tree import TreeDecoder
 
 FAMILIES = ["llama", "qwen3", "qwen3_5"]
 GAMMA = 5  # the trained block: 5 drafts, a verified width of 6
@@ -264,12 +265,43 @@ def test_a_draft_without_heads_is_lossless_too(loaded, tmp_path):
         greedy_reference(model, ids, 16)
 
 
-def test_a_ddtree_over_a_dspark_draft_is_lossless(loaded):
-    """Without Markov children yet, the tree's per-depth distributions are the base logits U_k."""
-    model, tokenizer, path, _ = loaded["qwen3"]
+@pytest.mark.filterwarnings("ignore:block_size 12 is above")
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_ddtree_from_the_markov_head_is_lossless(loaded, family):
+    model, tokenizer, path, _ = loaded[family]
     ids = tokenizer.encode("the quick brown fox")
-    res = generate(model, load_draft(str(path)), tokenizer, ids, max_tokens=16, block_size=GAMMA + 1, tree_budget=6)
-    assert res.tokens == greedy_reference(model, ids, 16)
+    want = greedy_reference(model, ids, 16)
+    for block_size, budget in ((GAMMA + 1, 6), (2 * GAMMA + 2, 24)):
+        res = generate(model, load_draft(str(path)), tokenizer, ids, max_tokens=16, block_size=block_size,
+                       tree_budget=budget)
+        assert res.tokens == want
+
+
+def test_a_nodes_children_are_the_top_of_z_after_its_token(loaded, tmp_path):
+    """Each node's children in the decoder's tree are the best candidates of
+    z = U + W2 W1[the node's token] (the root's: the anchor) as the float64
+    reference computes it; with a strong Markov head some differ from U's own."""
+    model, tokenizer, _, config = loaded["qwen3"]
+    path = tmp_path / "strong"
+    cfg = write_dspark_draft(path, model, config, markov_std=4.0)
+    w = {name: np.array(a.astype(mx.float32), dtype=np.float64) for name, a in mx.load(str(path / "model.safetensors")).items()}
+    draft, target = load_draft(str(path), dtype="float32"), Target(model)
+    prompt = mx.array(tokenizer.encode("the quick brown fox jumps"))
+    features = np.array(target.forward(prompt[None], target.make_cache(), cfg["target_layer_ids"]).features[0],
+                        dtype=np.float64)
+    decoder = TreeDecoder(target, DSparkProposer(draft, target), cfg["target_layer_ids"], GAMMA + 1, 16)
+    anchor = decoder.prefill(prompt)
+    tree = decoder.build(anchor, decoder.budget)
+    U = reference(w, cfg, features, anchor)[0]
+    W1, W2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+    differ = 0
+    for node, kids in enumerate(tree.children()):
+        if kids:
+            depth, n = tree.depths[node], len(kids)
+            z = U[depth] + W2 @ W1[tree.tokens[node]]
+            assert set(kids) == set(np.argsort(-z)[:n].tolist())
+            differ += set(kids) != set(np.argsort(-U[depth])[:n].tolist())
+    assert len(tree) == 17 and max(tree.depths) > 1 and differ
 
 
 class SteeredProposer(DSparkProposer):

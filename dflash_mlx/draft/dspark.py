@@ -209,6 +209,11 @@ class DSparkDraft(DFlashDraft):
         bias = self.markov_head(previous)
         return bias if self.d2t is None else place(bias, self.vocab_ids, self.config.vocab_size)
 
+    def markov_z(self, logits: mx.array, previous: mx.array) -> mx.array:
+        """z = U + W2 W1[x] [1, V] from base logits U [1, V] after target id x [1]
+        (U itself without a Markov head)."""
+        return logits if self.markov_head is None else logits + self.markov_bias(previous)
+
     def block_ids(self, anchor: mx.array) -> mx.array:
         """[1, gamma]: the anchor, then gamma - 1 mask ids (always the trained width)."""
         masks = mx.full((self.config.block_size - 2,), self.config.mask_token_id, dtype=anchor.dtype)
@@ -223,10 +228,7 @@ class DSparkDraft(DFlashDraft):
         ``draft``: argmax when greedy, else a draw from its warp of z)."""
         previous, drafted, qs = anchor.astype(mx.int32), [], []
         for k in range(logits.shape[0]):
-            z = logits[k : k + 1]
-            if self.markov_head is not None:
-                z = z + self.markov_bias(previous)
-            previous, q = draw(z)
+            previous, q = draw(self.markov_z(logits[k : k + 1], previous))
             drafted.append(previous)
             qs.append(q)
         drafted = mx.concatenate(drafted).astype(mx.int32)

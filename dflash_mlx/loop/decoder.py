@@ -29,8 +29,8 @@ class Proposer(Protocol):
     A proposer that chooses its own drafts (DFlash2's selector walk) also has
     ``draft_block(y, block_size, sampler) -> (drafted [b-1], q [b-1, V] or
     None)``, q being the log-probabilities the drafts were drawn from; the
-    others' logits go through the sampler (``propose_block``).
-    """
+    others' logits go through the sampler (``propose_block``). A DDTree's node
+    children that depend on its token come from ``tree_candidates`` or ``tree_rows``."""
 
     def observe(self, features: mx.array, tokens: mx.array) -> None:
         """Features [1, T, k*H] and ids [T] of the next T committed positions.
@@ -83,6 +83,14 @@ class DraftProposer:
     def propose(self, y: mx.array, block_size: int) -> mx.array:
         return self.draft.scale_logits(self.head(self.block_hidden(y, block_size)))
 
+    def _rows(self, y: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
+        """(normed hidden [b-1, H], scaled logits [b-1, V]) of block rows 1..b-1;
+        ``finite`` becomes whether those logits are sound (``sound_logits``, unevaluated)."""
+        hidden = self.block_hidden(y, block_size)
+        logits = self.draft.scale_logits(self.head(hidden))
+        self.finite = sound_logits(logits)
+        return hidden, logits
+
     def block_hidden(self, y: mx.array, block_size: int) -> mx.array:
         """The draft's normed hidden states [b-1, H] of block rows 1..b-1 after y."""
         return self.block_hidden_rows(y, block_size)[0]
@@ -97,14 +105,6 @@ class DraftProposer:
 class DFlash2Proposer(DraftProposer):
     """Proposes with a DFlash2 draft: its scaled logits, and drafts chosen by
     its candidate selector's walk (``draft/selector.py``)."""
-
-    def _rows(self, y: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
-        """(normed hidden [b-1, H], scaled logits [b-1, V]) of block rows 1..b-1;
-        ``finite`` becomes whether those logits are sound (``sound_logits``, unevaluated)."""
-        hidden = self.block_hidden(y, block_size)
-        logits = self.draft.scale_logits(self.head(hidden))
-        self.finite = sound_logits(logits)
-        return hidden, logits
 
     def propose(self, y: mx.array, block_size: int) -> mx.array:
         return self._rows(y, block_size)[1]
@@ -141,23 +141,23 @@ class DSparkProposer(DraftProposer):
     def __init__(self, draft: DSparkDraft, target: Target, cache: Optional[list] = None, head=None):
         super().__init__(draft, target, cache, draft.drafting_head(target, head))
         self.schedule: Optional[ConfidenceSchedule] = None
-
-    @property
-    def widest(self) -> int:
-        """The widest block it drafts: the anchor and the trained gamma drafts."""
-        return self.draft.config.block_size
+        self.widest = draft.config.block_size  # the widest block it drafts: the anchor and gamma drafts
 
     def block_hidden(self, y: mx.array, block_size: int) -> mx.array:
         return self.draft(self.embed(self.draft.block_ids(y)), self.cache)[0, : block_size - 1]
 
     def draft_block(self, y: mx.array, block_size: int, sampler: BlockSampler):
-        hidden = self.block_hidden(y, block_size)
-        logits = self.draft.scale_logits(self.head(hidden))
-        self.finite = sound_logits(logits)
+        hidden, logits = self._rows(y, block_size)
         drafted, q, self.confidence = self.draft.walk(hidden, logits, y, sampler.draft)
         if self.schedule is not None:
             drafted, q = self.schedule.cut(drafted, q, self.confidence, self.widest - 1, self.cache[0].offset)
         return drafted, q
+
+    def tree_rows(self, y: mx.array, block_size: int):
+        """For a DDTree: (base logits U [n, V], ``z(d, token)``: z of depth d+1
+        after a parent carrying target id ``token``, [1, V], the Markov walk's)."""
+        logits = self._rows(y, block_size)[1]
+        return logits, lambda d, token: self.draft.markov_z(logits[d : d + 1], mx.array([token]))
 
 
 def proposer_for(draft: DFlashDraft, target: Target, cache: Optional[list] = None,

@@ -10,7 +10,9 @@ position deeper, top-ranked token). Both score no higher than the popped node,
 so pops come out in score order and every node's parent is popped before it.
 A DFlash2 draft's candidates depend on the parent's token (its selector's
 transitions): ``build_transition_tree`` runs the same heap with each node's
-children ranked by the row for that token.
+children ranked by the row for that token. A DSpark draft's Markov head gives
+each node's children a distribution of their own, z after the node's token:
+``build_node_tree`` ranks the top k of that row on the device per expanded node.
 
 Index 0 of a ``Tree`` is the root: the pending token y (already chosen, not
 drafted). Nodes 1..n follow in pop order, so parents precede children.
@@ -18,6 +20,7 @@ drafted). Nodes 1..n follow in pop order, so parents precede children.
 
 import heapq
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 
@@ -81,6 +84,23 @@ def build_transition_tree(root: int, candidates: list[list[int]], logprobs: list
         return ranked[d, parent_slot]
 
     return _best_first(root, len(candidates), rank, budget)
+
+
+def build_node_tree(root: int, z: Callable[[int, int], mx.array], depth_limit: int, budget: int) -> Tree:
+    """The ``budget`` best prefixes when a node's children are the top
+    candidates of logits that depend on its token: ``z(d, token)`` [1, V] for
+    depth d+1 after a parent carrying ``token`` (the root's at d = 0)."""
+    ranked = {}
+
+    def rank(d: int, parent_token: int):
+        parent_token = root if d == 0 else parent_token
+        if (d, parent_token) not in ranked:
+            values, tokens = top_candidates(z(d, parent_token), budget)
+            tokens = tokens[0].tolist()
+            ranked[d, parent_token] = values[0].tolist(), tokens, tokens
+        return ranked[d, parent_token]
+
+    return _best_first(root, depth_limit, rank, budget)
 
 
 def _best_first(root: int, depth_limit: int, rank, budget: int) -> Tree:

@@ -2,7 +2,8 @@
 
 Beside the chain (``loop.SpeculativeDecoder``, whose prefill and bookkeeping
 it reuses): the proposer's b-1 per-position distributions (a DFlash2
-proposer's selector transitions, ``tree_candidates``) become a tree of up
+proposer's selector transitions, ``tree_candidates``; a DSpark proposer's
+Markov z after each node's token, ``tree_rows``) become a tree of up
 to ``budget`` nodes (``build.py``); the root y and the nodes run through the
 target as one flat sequence (``tree_forward``), each attention layer with the
 tree's mask and per-node RoPE positions (``attention.py``), a quantized
@@ -24,7 +25,7 @@ lossy here, since the children were not sampled from q.) The output is
 therefore distributed as the target's own sampling.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -34,7 +35,7 @@ from ..loop import NON_FINITE, BlockSampler, Cycle, Proposer, SpeculativeDecoder
 from ..targets import Attention, Forward, GatedDelta, Target
 from . import gated_delta
 from .attention import check_rope, compact, positioned, tree_mask
-from .build import Tree, build_transition_tree, build_tree, top_candidates, walk
+from .build import Tree, build_node_tree, build_transition_tree, build_tree, top_candidates, walk
 
 
 def check_tree_target(target: Target) -> None:
@@ -111,25 +112,30 @@ class TreeDecoder(SpeculativeDecoder):
         super().__init__(target, proposer, layer_ids, block_size, prefill_step_size, sampler, cache, tokens, kv)
         self.tree_block = block_size  # the tree is tree_block - 1 deep, unless kv cuts it at quantized_kv_start
         self.budget = budget
-        self.candidates: Optional[tuple[mx.array, mx.array]] = None  # what self.build makes the tree of
-        self.build = build_tree
+        self.build: Optional[Callable[[int, int], Tree]] = None  # (root, budget) -> the cycle's tree
 
     def _queue_draft(self) -> None:
         if self.kv:
             self.block_size = self.kv.block(len(self.tokens), self.tree_block)
         if self.block_size == 1:  # cut at quantized_kv_start: the root alone, a plain step
-            self.build, self.candidates = build_tree, (mx.zeros((0, 1)), mx.zeros((0, 1), dtype=mx.int32))
+            self.build = lambda root, budget: Tree([root], [-1], [0])
             self.draft_finite = mx.array(True)
             return
-        own = getattr(self.proposer, "tree_candidates", None)  # children that depend on their parent
-        if own:
-            self.build, self.candidates = build_transition_tree, own(self.pending, self.block_size)
-            self.draft_finite = getattr(self.proposer, "finite", mx.array(True))
+        rows = getattr(self.proposer, "tree_rows", None)  # children from z after their parent's token
+        own = getattr(self.proposer, "tree_candidates", None)  # children ranked after their parent
+        if rows:
+            logits, z = rows(self.pending, self.block_size)
+            ready, depth = (logits,), logits.shape[0]
+            self.build = lambda root, budget: build_node_tree(root, z, depth, budget)
         else:
-            logits = self.proposer.propose(self.pending, self.block_size)
-            self.build, self.candidates = build_tree, top_candidates(logits, self.budget)
-            self.draft_finite = sound_logits(logits)
-        mx.async_eval(self.candidates, self.draft_finite)
+            if own:
+                build, ready = build_transition_tree, own(self.pending, self.block_size)
+            else:
+                logits = self.proposer.propose(self.pending, self.block_size)
+                build, ready = build_tree, top_candidates(logits, self.budget)
+            self.build = lambda root, budget: build(root, *(a.tolist() for a in ready), budget)
+        self.draft_finite = getattr(self.proposer, "finite", mx.array(True)) if rows or own else sound_logits(logits)
+        mx.async_eval(ready, self.draft_finite)
 
     def _process(self, logits: mx.array, tree: Tree) -> mx.array:
         """Logits processors (and a constraint's mask) per node, each seeing the
@@ -154,7 +160,7 @@ class TreeDecoder(SpeculativeDecoder):
         if not self.draft_finite.item():  # ready with the candidates, read just below
             # no tree of NaN-chosen tokens: y (emitted, not yet fed) stays out of the caches and ``tokens``
             raise DFlashError(NON_FINITE)
-        tree = self.build(self.pending.item(), *(c.tolist() for c in self.candidates), self.budget)
+        tree = self.build(self.pending.item(), self.budget)
         self._quantize_kv()
         offset = context_length(self.target, self.cache)
         out = tree_forward(self.target, tree, self.cache, self.layer_ids)
