@@ -225,7 +225,9 @@ def stream_generate(
     (default: the pair's, measured on this machine at first use and cached,
     ``loop/cost_curve.py``; a ``CostCurve`` is taken as it is, a ``loop.Watched`` one
     watched for drift as the default is); None is the trained size. The block never changes
-    the output's distribution; each response reports the block it used.
+    the output's distribution; each response reports the block it used. Under "auto", a
+    DSpark draft with a confidence head verifies only the drafts its confidences and the
+    curve say pay (``loop.block_policy.ConfidenceSchedule``, docs/dspark.md).
     ``context`` continues from caches that already hold a proper prefix of the
     prompt (only the rest is prefilled) and is left holding every fed token.
     ``tree_budget`` B >= 1 verifies a DDTree of up to B drafted nodes per cycle
@@ -297,6 +299,9 @@ def stream_generate(
     else:
         if block_size == validate.AUTO:
             policy = auto_policy(plain, draft, cost_curve)
+            scheduled = getattr(proposer, "schedule_by", None)  # a DSpark draft verifies what pays, by c_k
+            if scheduled:
+                scheduled(policy.costs)
         else:
             policy = FixedBlock(block_size)
         decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,

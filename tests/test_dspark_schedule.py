@@ -7,10 +7,11 @@ and, sampled, distributed as the target's own."""
 import json
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import load as mlx_lm_load
 
-from dflash_mlx import Target, load_draft
+from dflash_mlx import Target, generate, load_draft
 from dflash_mlx.loop.block_policy import AdaptiveBlock, ConfidenceSchedule, FixedBlock
 from dflash_mlx.loop.cost_curve import CostCurve
 from dflash_mlx.loop.decoder import DSparkProposer, SpeculativeDecoder
@@ -20,6 +21,8 @@ from test_sampling import exact_joint, model, pvalues, sample  # noqa: F401 (mod
 
 # a draft pass of 1 s; each verified token 0.3 s more (both per cycle, at any context)
 CURVE = CostCurve(sizes=(1, 2, 8), target_s=(1.0, 1.3, 3.1), draft_s=(0.0, 1.0, 1.0))
+# a cheap draft pass: speculating pays under "auto" whatever the schedule verifies
+CHEAP = CostCurve(sizes=(1, 2, 8), target_s=(1.0, 1.3, 3.1), draft_s=(0.0, 0.1, 0.1))
 
 
 def test_the_length_stops_at_the_first_drop():
@@ -83,3 +86,32 @@ def test_sampled_output_follows_the_targets_distribution(model, draft):  # noqa:
     for position, p in pvalues(tokens, exact_joint(model, PARAMS, depth=POSITIONS)).items():
         assert p > ALPHA, f"{position} deviates from the target (p = {p:.2e})"
     assert 1 < len(set(lengths)), "the confidences must move the verified length here"
+
+
+def test_generate_schedules_a_confident_draft_under_auto(target_dirs, tmp_path):
+    """Through ``generate``: a DSpark draft whose Markov head knows the target's
+    greedy successor of each token accepts long runs at a fixed block; its
+    confidence head says c ~ 0, so under "auto" the schedule verifies one draft
+    per cycle. Both outputs are mlx-lm's greedy output."""
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    config = json.loads((target_dirs["qwen3"] / "config.json").read_text())
+    cfg = write_dspark_draft(tmp_path, model, config, rank=config["vocab_size"])
+    ids = tokenizer.encode("the quick brown fox")
+    want = greedy_reference(model, ids, 32)
+    V, path = cfg["vocab_size"], tmp_path / "model.safetensors"
+    successor = np.zeros((V, V), dtype=np.float32)  # W2 W1[x] = 1000 at x's successor in the greedy text
+    for x, y in zip(ids[-1:] + want, want):
+        successor[y, x] = 1000.0
+    weights = dict(mx.load(str(path)))
+    weights["markov_head.markov_w1.weight"] = mx.array(np.eye(V, dtype=np.float32))
+    weights["markov_head.markov_w2.weight"] = mx.array(successor)
+    weights["confidence_head.proj.weight"] = mx.zeros_like(weights["confidence_head.proj.weight"])
+    weights["confidence_head.proj.bias"] = mx.full((1,), -20.0)
+    mx.save_safetensors(str(path), weights, metadata={"format": "pt"})
+    draft = load_draft(str(tmp_path))
+    fixed = generate(model, draft, tokenizer, ids, max_tokens=32, block_size=GAMMA + 1)
+    auto = generate(model, draft, tokenizer, ids, max_tokens=32, block_size="auto",
+                    cost_curve=CHEAP)
+    assert fixed.tokens == want and auto.tokens == want
+    assert max(fixed.acceptance_lengths) > 2
+    assert max(auto.acceptance_lengths) == 2  # one draft verified, and accepted

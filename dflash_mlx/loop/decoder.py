@@ -84,8 +84,7 @@ class DraftProposer:
         return self.draft.scale_logits(self.head(self.block_hidden(y, block_size)))
 
     def _rows(self, y: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
-        """(normed hidden [b-1, H], scaled logits [b-1, V]) of block rows 1..b-1;
-        ``finite`` becomes whether those logits are sound (``sound_logits``, unevaluated)."""
+        """(normed hidden [b-1, H], scaled logits [b-1, V]); ``finite``: ``sound_logits`` of them, lazy."""
         hidden = self.block_hidden(y, block_size)
         logits = self.draft.scale_logits(self.head(hidden))
         self.finite = sound_logits(logits)
@@ -136,12 +135,16 @@ class DSparkProposer(DraftProposer):
     """Proposes with a DSpark draft (``draft/dspark.py``): slot k-1 of its
     trained-width block predicts x_k (so no more than gamma drafts), its Markov
     walk chooses them, ``confidence`` holds the walk's c_k (unevaluated), and a
-    ``schedule`` keeps only the drafts worth verifying (reading the c_k)."""
+    ``schedule`` (``schedule_by``) keeps only the drafts worth verifying."""
 
     def __init__(self, draft: DSparkDraft, target: Target, cache: Optional[list] = None, head=None):
         super().__init__(draft, target, cache, draft.drafting_head(target, head))
         self.schedule: Optional[ConfidenceSchedule] = None
         self.widest = draft.config.block_size  # the widest block it drafts: the anchor and gamma drafts
+
+    def schedule_by(self, costs) -> None:
+        """Verify by a ``ConfidenceSchedule`` over ``costs`` where the draft has a confidence head."""
+        self.schedule = None if self.draft.confidence_head is None else ConfidenceSchedule(costs)
 
     def block_hidden(self, y: mx.array, block_size: int) -> mx.array:
         return self.draft(self.embed(self.draft.block_ids(y)), self.cache)[0, : block_size - 1]
@@ -154,8 +157,7 @@ class DSparkProposer(DraftProposer):
         return drafted, q
 
     def tree_rows(self, y: mx.array, block_size: int):
-        """For a DDTree: (base logits U [n, V], ``z(d, token)``: z of depth d+1
-        after a parent carrying target id ``token``, [1, V], the Markov walk's)."""
+        """For a DDTree: base logits U [n, V] and ``z(d, token)`` [1, V] after a parent token."""
         logits = self._rows(y, block_size)[1]
         return logits, lambda d, token: self.draft.markov_z(logits[d : d + 1], mx.array([token]))
 
@@ -325,9 +327,7 @@ class SpeculativeDecoder:
         self.block_size = self.policy.choose(len(self.tokens), left)
         if self.kv:
             self.block_size = self.kv.block(len(self.tokens), self.block_size)
-        widest = getattr(self.proposer, "widest", None)  # a DSpark draft: never wider than trained
-        if widest:
-            self.block_size = min(self.block_size, widest)
+        self.block_size = min(self.block_size, getattr(self.proposer, "widest", self.block_size))  # DSpark: trained
         if left is not None:  # a cycle emits at most b tokens
             self.block_size = max(1, min(self.block_size, left))
         if self.block_size == 1:  # speculation off: a plain target step, no draft pass
