@@ -328,22 +328,29 @@ class SteeredProposer(DSparkProposer):
         return (mx.arange(vocab)[None] == mx.array(tokens)[:, None]) * 1000.0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
-def test_every_acceptance_length_stays_lossless(loaded, family):
-    model, tokenizer, path, _ = loaded[family]
+def assert_every_acceptance_length(model, tokenizer, path):
+    """Steered to be right for its first a drafts, for every a up to the full block, the
+    draft in ``path`` gives mlx-lm's greedy output, and its context holds committed positions only."""
     draft, target = load_draft(str(path)), Target(model)
+    gamma = draft.config.block_size - 1
     prompt = tokenizer.encode("the quick brown fox")
-    continuation = greedy_reference(model, prompt, 3 * GAMMA + 3)
-    for corrupt_at in [*range(GAMMA), None]:
+    continuation = greedy_reference(model, prompt, 3 * gamma + 3)
+    for corrupt_at in [*range(gamma), None]:
         proposer = SteeredProposer(draft, target, len(prompt), continuation, corrupt_at)
-        decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, GAMMA + 1)
+        decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, gamma + 1)
         out = [decoder.prefill(mx.array(prompt))]
         for _ in range(2):
             cycle = decoder.cycle()
-            assert cycle.accepted == (GAMMA if corrupt_at is None else corrupt_at)
+            assert cycle.accepted == (gamma if corrupt_at is None else corrupt_at)
             out += cycle.tokens
             assert out == continuation[: len(out)]
-            assert {c.offset for c in proposer.cache} == {len(decoder.tokens)}  # committed positions only
+            assert {c.offset for c in proposer.cache} == {len(decoder.tokens)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_every_acceptance_length_stays_lossless(loaded, family):
+    model, tokenizer, path, _ = loaded[family]
+    assert_every_acceptance_length(model, tokenizer, path)
 
 
 def test_the_batch_refuses_a_dspark_draft_in_one_line(loaded):

@@ -18,10 +18,10 @@ from mlx_lm import load as mlx_lm_load
 
 from dflash_mlx import DFlashError, Target, generate, load_draft
 from dflash_mlx.draft import DSparkConfig, DSparkDraft, SubsetHead
-from dflash_mlx.loop.decoder import DSparkProposer, SpeculativeDecoder
+from dflash_mlx.loop.decoder import DSparkProposer
 from dflash_mlx.loop.sampling import BlockSampler, SamplingParams
 from checkpoints import text_config
-from test_dspark import SteeredProposer, greedy_reference, reference, with_config, write_dspark_draft
+from test_dspark import assert_every_acceptance_length, greedy_reference, reference, with_config, write_dspark_draft
 
 # interleaved RoPE: the draft's KV injection runs layer by layer, and says so once
 pytestmark = pytest.mark.filterwarnings("ignore:dflash-mlx. KV injection runs layer by layer")
@@ -191,19 +191,7 @@ def test_greedy_output_is_mlx_lm_greedy_output(pairs, family, layout):
 @pytest.mark.parametrize("layout", ["liquid", "speculators"])
 def test_every_acceptance_length_stays_lossless(pairs, layout):
     model, tokenizer, root, _ = pairs["qwen3"]
-    draft, target = load_draft(str(root / layout)), Target(model)
-    gamma = draft.config.block_size - 1
-    prompt = tokenizer.encode("the quick brown fox")
-    continuation = greedy_reference(model, prompt, 3 * gamma + 3)
-    for corrupt_at in [*range(gamma), None]:
-        proposer = SteeredProposer(draft, target, len(prompt), continuation, corrupt_at)
-        decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, gamma + 1)
-        out = [decoder.prefill(mx.array(prompt))]
-        for _ in range(2):
-            cycle = decoder.cycle()
-            assert cycle.accepted == (gamma if corrupt_at is None else corrupt_at)
-            out += cycle.tokens
-            assert out == continuation[: len(out)]
+    assert_every_acceptance_length(model, tokenizer, root / layout)
 
 
 def speculators_edit(edit):
