@@ -23,7 +23,7 @@ from .cost_model import context_length
 from .long_context import PROMPTS_PER_CONTEXT, context_prompts, context_summary, fitting, parse_context, render_contexts
 from .predict import main_predict, main_predict_batch
 from .prompts import select_prompts
-from .render import console, plot, render, stepping
+from .render import NO_MATPLOTLIB, console, plot, render, stepping
 from .report import check_output_file, machine_info, make_report, validate_report, write_json
 from .runs import run_bench, sharded_runners
 from .schedule import arms
@@ -228,7 +228,7 @@ def main(*, given: set[str], model: Optional[str], draft: Optional[str], prompts
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
+            raise DFlashError(NO_MATPLOTLIB) from None
     if distributed is not None and draft_vocab is not None:
         raise DFlashError("--draft-vocab is not supported with --distributed; leave it out")
     with session(distributed) as launch:

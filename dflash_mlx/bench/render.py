@@ -110,6 +110,9 @@ def render(report: dict, console) -> None:
     console.print(f"machine: {m['platform']}, MLX {m['mlx']} ({m['backend']}){blas}")
 
 
+NO_MATPLOTLIB = "--plot needs matplotlib: pip install matplotlib (in a clone of dflash-mlx: pip install '.[plot]')"
+
+
 def plot(report: dict, path: str | Path) -> None:
     """PNG: median speedup per category and arm (whiskers: min-max), and the
     acceptance histogram of each arm."""
@@ -119,7 +122,7 @@ def plot(report: dict, path: str | Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise DFlashError("--plot needs matplotlib: pip install 'dflash-mlx[plot]'") from None
+        raise DFlashError(NO_MATPLOTLIB) from None
     summ = labelled(report)
     cats = sorted({c for _, side in summ for c in side["by_category"]})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -24,7 +24,8 @@ from .qwen import QwenVision
 from .target import ImagePrompt, VisionTarget
 
 FAMILIES = {"qwen3_5": QwenVision, "qwen3_5_moe": QwenVision, "gemma4": GemmaVision}  # model type -> its vision
-EXTRA = "images need mlx-vlm, the optional 'vision' extra: pip install 'dflash-mlx[vision]'"
+EXTRA = ("images need mlx-vlm, the optional 'vision' extra: pip install mlx-vlm "
+         "(in a clone of dflash-mlx: pip install '.[vision]')")
 
 _paths: dict[int, tuple[weakref.ref, Path]] = {}  # id(model) -> (the model, its checkpoint), while it lives
 _towers: dict[int, object] = {}  # id(model) -> its family's vision tower, once read
