@@ -251,6 +251,8 @@ def stream_generate(
     ``images`` (paths, bytes, PIL images, data or http(s) URLs) go where the
     prompt's image placeholders stand, one each, as the chat template writes
     image parts; the prefill runs over their features (``vision``, docs/vision.md).
+    Or ``model`` is the ``VisionTarget`` of ``vision.with_images`` and ``prompt``
+    its expanded ids, without ``images``: then ``context`` may hold a prefix of them.
     """
     validate.options({k: v for k, v in locals().items() if k in validate.RULES})
     validate.loaded(model, draft, tokenizer, cost_curve, (costs.CostCurve, Watched))

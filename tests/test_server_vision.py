@@ -23,6 +23,7 @@ from dflash_mlx.chat import template_ids
 
 TEXT = "what is in the picture"
 TOKENS = 12
+LATER = [{"role": "assistant", "content": "a picture"}, {"role": "user", "content": "and its colours?"}]
 
 
 def png(seed: int) -> bytes:
@@ -71,16 +72,17 @@ def server(qwen_vision, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def want(qwen_vision):  # noqa: F811
-    """The Python API's greedy reply to TEXT after the image of ``seed``, memoised."""
+    """The Python API's greedy reply (cold: no cache) to TEXT after the image
+    of ``seed``, or to that chat with the ``LATER`` turns, memoised."""
     model, tokenizer = load(str(qwen_vision[0]))
     draft = load_draft(str(qwen_vision[1]))
-    ids = template_ids(tokenizer, image_messages(TEXT, 1))
     replies = {}
 
-    def reply(seed: int):
-        if seed not in replies:
-            replies[seed] = generate(model, draft, tokenizer, ids, max_tokens=TOKENS, images=[png(seed)])
-        return replies[seed]
+    def reply(seed: int, later: bool = False):
+        if (seed, later) not in replies:
+            ids = template_ids(tokenizer, image_messages(TEXT, 1) + (LATER if later else []))
+            replies[seed, later] = generate(model, draft, tokenizer, ids, max_tokens=TOKENS, images=[png(seed)])
+        return replies[seed, later]
 
     return reply
 
@@ -95,13 +97,20 @@ def test_a_data_url_or_a_loopback_url_image_equals_the_python_api(client, files,
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want(1).text
 
 
-def test_two_images_with_the_same_text_get_their_own_replies_and_share_no_cache(client, want):
+def test_the_same_image_reuses_the_prefix_cache_and_another_image_never_does(client, want):
+    """A (TEXT and image 1), then B (A with a later turn): B resumes A's caches,
+    image rows included; C (TEXT and image 2, of the same size) reuses none of them."""
     assert want(1).text != want(2).text
-    for seed in (1, 2, 1):
-        reply = client.chat.completions.create(model="any", messages=chat_parts(data_url(png(seed))),
+
+    def ask(seed: int, later: list = ()):
+        reply = client.chat.completions.create(model="any", messages=chat_parts(data_url(png(seed))) + list(later),
                                                max_tokens=TOKENS)
-        assert reply.choices[0].message.content == want(seed).text
-        assert reply.usage.prompt_tokens_details.cached_tokens == 0
+        return reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens
+
+    assert ask(1)[0] == want(1).text
+    text, cached = ask(1, LATER)
+    assert text == want(1, later=True).text and cached == want(1).prompt_tokens - 1  # all of A's prompt but its last
+    assert ask(2) == (want(2).text, 0)  # the hybrid target keeps no checkpoint in the few tokens before the image
 
 
 def test_an_image_request_waits_for_the_batch_s_rows_and_both_replies_are_right(server, client, want):

@@ -30,6 +30,7 @@ from ..errors import DFlashError
 from ..generate import check_pair, stream_generate
 from ..loading import load, load_draft
 from ..targets import Target
+from ..vision import with_images
 from .batch import Rows
 from .images import refusal
 # a request and its events, which the routes and the distributed engine take from here
@@ -198,9 +199,11 @@ class Engine:
             self.prefix_disk, pair_key(self.model_id, self.draft_id, self.draft, self.tokenizer, self.kv))
         return PrefixCache(self.target, self.draft, self.prefix_cache_bytes, self.kv, disk, self.prefix_interval)
 
-    def _stream(self, prompt: list[int], **kwargs):
-        """``stream_generate`` over this engine's pair, block size, drafting vocabulary and KV cache."""
-        return self.generator(self.target, self.draft, self.tokenizer, prompt, block_size=self.block_size,
+    def _stream(self, prompt: list[int], target: Optional[Target] = None, **kwargs):
+        """``stream_generate`` over this engine's pair (``target``: the request's
+        own, a ``VisionTarget`` where its prompt holds images), block size,
+        drafting vocabulary and KV cache."""
+        return self.generator(target or self.target, self.draft, self.tokenizer, prompt, block_size=self.block_size,
                               draft_vocab=self.draft_vocab, **self.kv, **kwargs)
 
     def _next_job(self) -> Optional[Job]:
@@ -306,21 +309,23 @@ class Engine:
 
     def _generate(self, job: Job) -> None:
         request = job.request
-        # the prefix cache keys its entries by text tokens alone: a request with images neither reads nor feeds it
-        cache = None if request.images else self.prefix_cache
-        resumed = cache.resume(request.prompt) if cache else Resume(None)
+        target, prompt, key, marks = self.target, request.prompt, None, request.marks
+        if request.images:  # expanded here, once: stream_generate gets the prompt and target it makes
+            target, ids, _ = with_images(self.target, mx.array(prompt), request.images)
+            # the last turn's start is a position in the unexpanded ids: not marked
+            prompt, key, marks = ids.tolist(), target.key, []
+        cache = self.prefix_cache
+        resumed = cache.resume(key or prompt) if cache else Resume(None)
         context = resumed.context
-        usage = Usage(len(request.prompt), len(context.tokens) if cache else 0, resumed.tier)
+        usage = Usage(len(prompt), len(context.tokens) if cache else 0, resumed.tier)
         stops = StopMatcher(request.stop)
-        mark, checkpoints = cache.mark(context, request.prompt, self.tokenizer, request.marks,
-                                       resumed.checkpoints) if cache else (0, [])
+        mark, checkpoints = cache.mark(context, prompt, self.tokenizer, marks, resumed.checkpoints,
+                                       target) if cache else (0, [])
         finish, error = "cancelled", None
-        responses = self._stream(request.prompt, max_tokens=request.max_tokens, context=context,
-                                 logprobs=request.logprobs is not None, images=request.images or None,
-                                 **request.sampling)
+        responses = self._stream(prompt, target, max_tokens=request.max_tokens, context=context,
+                                 logprobs=request.logprobs is not None, **request.sampling)
         try:
             for i, r in enumerate(responses):
-                usage.prompt_tokens = r.prompt_tokens  # an image's rows included
                 if i > 0:
                     usage.cycles += 1
                     usage.accepted += r.accepted
@@ -341,5 +346,5 @@ class Engine:
             responses.close()
         # only a request that ran to a cycle boundary leaves caches worth keeping
         if cache:
-            cache.put(context, mark, checkpoints)
+            cache.put(context, mark, checkpoints, key)
         job.emit(Finished(finish, usage, stops.matched, error))

@@ -28,6 +28,11 @@ budget. What each request reused, and from which tier, is counted for
 entry across restarts: where one of its files holds more of a new prompt than
 RAM does, it is loaded and promoted to RAM before an entry is chosen.
 
+A prompt with images is compared by its key (``VisionTarget.key``): its ids
+expanded per image, each image's rows replaced by an id derived from the
+SHA-256 of its bytes, so the same text with another image shares only the
+text before it. Its entries stay in RAM.
+
 With a quantized KV cache (``kv_bits``), a cache that was quantized is never
 rolled back below ``quantized_kv_start`` (a fresh run attends over
 full-precision keys there, so such an entry is not reused), and recurrent
@@ -59,6 +64,7 @@ class Entry:
     prompt_len: int  # where its prompt ends (all of it but its last token, where checkpointed)
     checkpoints: list[Checkpoint]  # its recurrent states, ascending, the last at prompt_len; [] if none
     nbytes: int
+    key: Optional[list[int]] = None  # its tokens as prompts are compared, where they hold images; None: its tokens
     name: str = ""  # its file in the disk tier, if any
     tier: str = "ram"  # "disk" from its loading to its first use
 
@@ -104,8 +110,8 @@ class PrefixCache:
         return not all(c.is_trimmable() for c in context.target)
 
     def _reusable(self, entry: Entry, prompt: list[int]) -> int:
-        """Tokens of ``prompt`` the entry can hold after an exact rollback."""
-        tokens = entry.context.tokens
+        """Tokens of ``prompt`` (as compared: see ``resume``) the entry can hold after an exact rollback."""
+        tokens = entry.context.tokens if entry.key is None else entry.key
         n = resumable(tokens, prompt, [c.position for c in entry.checkpoints], self._recurrent(entry.context))
         quantized = any(hasattr(c, "bits") for c in entry.context.target)
         if quantized and n < self.kv.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START):
@@ -121,7 +127,8 @@ class PrefixCache:
     def resume(self, prompt: list[int]) -> Resume:
         """Caches holding the longest reusable prefix of ``prompt`` (an entry
         or a copy of one) or fresh ones, with the checkpoints they keep and
-        the tier they came from."""
+        the tier they came from. A prompt with images is given as its
+        ``VisionTarget.key``: an image's rows match only the same image's."""
         if self.disk is not None:
             self._promote(prompt)
         best, reused = None, 0
@@ -154,8 +161,8 @@ class PrefixCache:
         n, stored = max(reusable, key=lambda r: r[0], default=(0, None))
         if n > in_ram and (loaded := self.disk.load(stored, self.target, self.draft)) is not None:
             context, prompt_len, checkpoints = loaded
-            self._add(Entry(context, prompt_len, checkpoints, self.size(context, checkpoints), stored.path.name,
-                            "disk"))
+            self._add(Entry(context, prompt_len, checkpoints, self.size(context, checkpoints), None,
+                            stored.path.name, "disk"))
 
     @staticmethod
     def _rollback(context: ContextCache, checkpoints: list[Checkpoint], n: int) -> None:
@@ -178,7 +185,7 @@ class PrefixCache:
             c.is_trimmable() or isinstance(c, ArraysCache) for c in context.target)
 
     def mark(self, context: ContextCache, prompt: list[int], tokenizer, marks: list[int] = (),
-             kept: list[Checkpoint] = ()) -> tuple[int, list[Checkpoint]]:
+             kept: list[Checkpoint] = (), target: Optional[Target] = None) -> tuple[int, list[Checkpoint]]:
         """Before generating from ``prompt`` with ``context`` (from ``resume``,
         whose ``kept`` checkpoints it keeps): where ``put`` should say the
         prompt ends, and the checkpoints of its recurrent states, prefilled
@@ -186,7 +193,8 @@ class PrefixCache:
         every ``interval`` tokens, and all of the prompt but its last token,
         the latest point a later prompt, the same one included, can start
         from. Without recurrent states (or entries to keep, or with quantized
-        KV), (``len(prompt)``, [])."""
+        KV), (``len(prompt)``, []). ``target`` prefills (a ``VisionTarget``
+        where the prompt holds images); None: this cache's."""
         end = len(prompt) - 1
         if end == 0 or not self.checkpointing:
             return len(prompt), []
@@ -197,7 +205,7 @@ class PrefixCache:
             if len(context.tokens) < p:
                 # prefill to p (the token it generates is not fed); the smallest block
                 # keeps the one draft pass it starts, whose proposal goes unused, cheap
-                for _ in stream_generate(self.target, self.draft, tokenizer, prompt[:p], block_size=2,
+                for _ in stream_generate(target or self.target, self.draft, tokenizer, prompt[:p], block_size=2,
                                          max_tokens=1, context=context):
                     pass
             checkpoints.append(Checkpoint(p, [list(c.cache) if isinstance(c, ArraysCache) else None
@@ -208,11 +216,16 @@ class PrefixCache:
         """Bytes an entry of ``context`` and ``checkpoints`` counts against the budget."""
         return _nbytes(context, checkpoints)
 
-    def put(self, context: ContextCache, prompt_len: int, checkpoints: list[Checkpoint]) -> None:
+    def put(self, context: ContextCache, prompt_len: int, checkpoints: list[Checkpoint],
+            key: Optional[list[int]] = None) -> None:
         """Keep ``context`` (whose prompt ends at ``prompt_len``, its recurrent
-        states at ``checkpoints``) as the most recent entry; evict to stay in budget."""
-        entry = Entry(context, prompt_len, checkpoints, self.size(context, checkpoints))
-        if context.tokens and self._add(entry) and self.disk is not None:
+        states at ``checkpoints``) as the most recent entry; evict to stay in
+        budget. ``key``: the prompt as compared, where it holds images (see
+        ``resume``); such an entry stays off the disk tier, whose files hold tokens alone."""
+        tokens = context.tokens
+        keyed = None if key is None else (list(key) + tokens[len(key):])[: len(tokens)]
+        entry = Entry(context, prompt_len, checkpoints, self.size(context, checkpoints), keyed)
+        if tokens and self._add(entry) and self.disk is not None and key is None:
             entry.name = self.disk.save(context, prompt_len, checkpoints, self._recurrent(context))
 
     def _add(self, entry: Entry) -> bool:

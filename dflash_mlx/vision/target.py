@@ -23,6 +23,9 @@ class ImagePrompt:
     positions: Optional[mx.array] = None  # [3, P] multimodal RoPE positions (Qwen), or None
     delta: int = 0  # position of every index past the prompt: index + delta
     spans: list = field(default_factory=list)  # (begin, end) of each image whose rows attend both ways (Gemma 4)
+    # the expanded ids as prompts are compared (the server's prefix cache): each image's rows
+    # hold a negative id derived from its hash, which no token and no other image matches
+    key: list[int] = field(default_factory=list)
 
     def runs(self) -> list[tuple[int, int]]:
         """(begin, end) of each run of image rows."""
@@ -103,6 +106,7 @@ class VisionTarget(Target):
     def __init__(self, model: nn.Module, family, prompt: ImagePrompt):
         super().__init__(model)
         self.stack = VisionStack(self.stack, family, prompt)
+        self.key = prompt.key
         if prompt.spans:
             spans = tuple(prompt.spans)
             self.kinds = [BothWays(k.name, k.window, spans) if isinstance(k, Attention) else k for k in self.kinds]

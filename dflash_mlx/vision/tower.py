@@ -7,6 +7,8 @@ again with mlx-vlm's classes, lazily: only the vision tower's weights (and the
 few modules the family's positions need) are ever read, while the language
 model stays mlx-lm's. mlx-vlm is the optional ``vision`` extra."""
 
+import bisect
+import itertools
 import json
 import threading
 import weakref
@@ -87,8 +89,8 @@ def user_turn(text: str, images) -> Union[str, list[dict]]:
 
 
 def with_images(target: Target, ids: mx.array, images: list[ImageSource]) -> tuple[VisionTarget, mx.array, list[str]]:
-    """(the target for this prompt, its ids with every image placeholder
-    expanded to the image's rows, each image's hash). The prompt holds one
+    """(the target for this prompt, with its ``key``, its ids with every image
+    placeholder expanded to the image's rows, each image's hash). The prompt holds one
     placeholder per image, as the chat template writes image parts."""
     if type(target) is not Target:
         raise DFlashError("images need a single-process target (not a sharded or distributed one)")
@@ -103,10 +105,14 @@ def with_images(target: Target, ids: mx.array, images: list[ImageSource]) -> tup
     expanded = family.expand(ids, rows)
     index = mx.cumsum(mx.array([t == family.image_token_id for t in expanded]).astype(mx.int32)) - 1
     where = [r if t == family.image_token_id else -1 for t, r in zip(expanded, index.tolist())]
-    prompt = ImagePrompt(features, where)
+    first = [0, *itertools.accumulate(rows)]  # each image's first row of ``features``
+    digests = [image.digest for image in loaded]
+    key = [t if r < 0 else -1 - int(digests[bisect.bisect_right(first, r) - 1][:15], 16)
+           for t, r in zip(expanded, where)]
+    prompt = ImagePrompt(features, where, key=key)
     if getattr(family, "bidirectional", False):
         prompt.spans = prompt.runs()
     expanded = mx.array(expanded)
     if hasattr(family, "positions"):
         prompt.positions, prompt.delta = family.positions(expanded, extra)
-    return VisionTarget(target.model, family, prompt), expanded, [image.digest for image in loaded]
+    return VisionTarget(target.model, family, prompt), expanded, digests
