@@ -57,13 +57,18 @@ def open_tensors(path: Path, config: DraftConfig) -> dict[str, mx.array]:
             if name in tensors:
                 raise DFlashError(f"tensor '{name}' appears in more than one weight file")
             tensors[name] = array
-    sanitize = getattr(network_class(config), "sanitize", None)
+    sanitize = getattr(network_class(config)(config), "sanitize", None)  # lazy: nothing is initialized
     return sanitize(tensors) if sanitize else tensors
+
+
+def _parameters(config: DraftConfig) -> dict[str, mx.array]:
+    """The draft network's parameters, never materialized (only shapes and dtypes are read)."""
+    return dict(tree_flatten(network_class(config)(config).parameters()))
 
 
 def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape the draft needs; the weights are never materialized."""
-    return {name: tuple(p.shape) for name, p in tree_flatten(network_class(config)(config).parameters())}
+    return {name: tuple(p.shape) for name, p in _parameters(config).items()}
 
 
 def validate(config: DraftConfig, tensors: dict[str, mx.array]) -> None:
@@ -82,6 +87,8 @@ def validate(config: DraftConfig, tensors: dict[str, mx.array]) -> None:
             f"{ids} needs {len(ids)} x hidden_size {H} = {config.feature_size}"
         )
     expected = expected_shapes(config)
+    # integer parameters (a reduced drafting vocabulary's d2t map) stay integers
+    integers = {name for name, p in _parameters(config).items() if mx.issubdtype(p.dtype, mx.integer)}
     missing = [n for n in expected if n not in tensors]
     if missing:
         raise DFlashError(f"draft checkpoint is missing tensor {_names(missing)}")
@@ -91,8 +98,10 @@ def validate(config: DraftConfig, tensors: dict[str, mx.array]) -> None:
                 f"tensor '{name}' has shape {list(tensors[name].shape)}; "
                 f"the config implies {list(shape)}"
             )
-        if tensors[name].dtype not in FLOATS:
-            raise DFlashError(f"tensor '{name}' has dtype {tensors[name].dtype}; expected a float")
+        dtype = tensors[name].dtype
+        if (not mx.issubdtype(dtype, mx.integer)) if name in integers else dtype not in FLOATS:
+            kind = "an integer" if name in integers else "a float"
+            raise DFlashError(f"tensor '{name}' has dtype {dtype}; expected {kind}")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise DFlashError(

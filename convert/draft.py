@@ -46,6 +46,7 @@ def convert_draft(
     group_size: int = 64,
     dtype: Optional[str] = None,
     recipe: Optional[str] = None,
+    quantize_heads: bool = False,
     force: bool = False,
     shard_bytes: int = SHARD_BYTES,
     log: Callable[[str], None] = _stderr,
@@ -54,8 +55,10 @@ def convert_draft(
 
     ``bits`` None keeps the weights unquantized; ``dtype`` None keeps each
     tensor's dtype; ``recipe="mixed_4_8"`` implies 4 bits with ``fc`` and the
-    last layer at 8. Everything is validated before anything is written; peak
-    memory is about the largest tensor plus one output shard.
+    last layer at 8. A DSpark draft's Markov and confidence heads stay float
+    unless ``quantize_heads`` (docs/dspark.md). Everything is validated before
+    anything is written; peak memory is about the largest tensor plus one
+    output shard.
     """
     check_options(bits, group_size, dtype, recipe)
     if recipe is not None:
@@ -67,7 +70,7 @@ def convert_draft(
     tensors = open_tensors(path, config)
     validate(config, tensors)
 
-    modules = plan(config, bits, group_size, recipe) if bits else {}
+    modules = plan(config, bits, group_size, recipe, quantize_heads) if bits else {}
     kept = [p for p, q in modules.items() if q is None]
     if modules and len(kept) == len(modules):
         raise DFlashError(
@@ -84,7 +87,7 @@ def convert_draft(
     def groups():
         for name in expected_shapes(config):
             weight = tensors.pop(name)
-            if cast is not None:
+            if cast is not None and mx.issubdtype(weight.dtype, mx.floating):
                 weight = weight.astype(cast)
             if not mx.isfinite(weight).all().item():
                 bad = mx.logical_not(mx.isfinite(weight)).sum().item()

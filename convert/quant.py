@@ -16,18 +16,22 @@ RECIPES = ("mixed_4_8",)
 
 
 def plan(
-    config: DraftConfig, bits: int, group_size: int, recipe: Optional[str] = None
+    config: DraftConfig, bits: int, group_size: int, recipe: Optional[str] = None, heads: bool = False
 ) -> dict[str, Optional[dict]]:
     """Module path -> ``to_quantized`` arguments, or None where it stays unquantized.
 
     ``mixed_4_8`` keeps ``fc`` and every module of the last layer at 8 bits.
     A DFlash2 draft's selector codebooks are embedding tables and quantize
-    like the linear layers (the gathered rows are dequantized).
+    like the linear layers (the gathered rows are dequantized). A network's
+    ``FLOAT_HEADS`` (DSpark's Markov and confidence heads) are left out, so
+    they stay float, unless ``heads``.
     """
     last = f"layers.{config.num_hidden_layers - 1}."
+    network = network_class(config)(config)
+    floating = () if heads else getattr(network, "FLOAT_HEADS", ())
     result = {}
-    for path, module in network_class(config)(config).named_modules():
-        if not hasattr(module, "to_quantized"):
+    for path, module in network.named_modules():
+        if not hasattr(module, "to_quantized") or path.split(".")[0] in floating:
             continue
         if module.weight.shape[-1] % group_size:
             result[path] = None

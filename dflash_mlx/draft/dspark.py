@@ -162,6 +162,9 @@ class DSparkDraft(DFlashDraft):
     heads; ``d2t`` (a reduced drafting vocabulary only) maps the draft's index d
     to target id d + d2t[d], as the speculators format stores it."""
 
+    # small heads whose rounding error goes straight into q: convert keeps them in float unless asked
+    FLOAT_HEADS = ("markov_head", "confidence_head")
+
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         r, reduced = config.markov_rank, config.draft_vocab_size
