@@ -57,6 +57,21 @@ KNOWN_PAIRS: dict[str, Draft] = {
     "Qwen/Qwen3.8-27B": Draft("z-lab/Qwen3.8-27B-DFlash2", None, "qwen3_5", 27.0, 8),
 }
 
+# DSpark drafts (docs/dspark.md) for targets dflash-mlx runs: ``models`` lists
+# them; one is a target's default draft only where the target has none above
+# (Qwen3-14B), else it runs with --draft. The block is the trained gamma. Their
+# training chat mode is not published. Other published DSpark drafts are left
+# out: Gemma 4's packaging is not read yet, LFM2 targets do not run, Red Hat's
+# Qwen3.6-35B-A3B draft lacks num_target_layers in its config.json, and the
+# community Qwen3.6-27B draft's packaging is not documented.
+DSPARK_DRAFTS: dict[str, Draft] = {
+    "Qwen/Qwen3-4B": Draft("deepseek-ai/dspark_qwen3_4b_block7", None, "qwen3", 4.0, 7),
+    "Qwen/Qwen3-8B": Draft("deepseek-ai/dspark_qwen3_8b_block7", None, "qwen3", 8.2, 7),
+    "Qwen/Qwen3-14B": Draft("deepseek-ai/dspark_qwen3_14b_block7", None, "qwen3", 14.8, 7),
+}
+# every target's default draft: its DFlash draft where it has one
+DEFAULT_DRAFTS = DSPARK_DRAFTS | KNOWN_PAIRS
+
 _NO_ADAPTER = "no target adapter for mlx-lm's '{}' layers (target.SUPPORTED_MODEL_TYPES)"
 
 # Published drafts whose targets dflash-mlx cannot run, with the reason:
@@ -118,7 +133,7 @@ def listing(budget: Optional[int]) -> tuple[list[list[str]], list[list[str]]]:
     pairs = [[target, d.repo, mode[d.enable_thinking], str(d.block_size or "config"),
               *(f"{weights_gb(d.params_b, bits):.0f}" for bits in BITS.values()),
               fitting(d.params_b, budget, MAX_MACHINES if d.model_type in DISTRIBUTED_FAMILIES else 1)]
-             for target, d in KNOWN_PAIRS.items()]
+             for target, d in [*KNOWN_PAIRS.items(), *DSPARK_DRAFTS.items()]]
     return pairs, [[target, d.repo, d.unsupported] for target, d in UNSUPPORTED_PAIRS.items()]
 
 
@@ -134,7 +149,7 @@ def _key(name: str) -> str:
     return _QUANT_SUFFIX.sub("", PurePath(name.rstrip("/")).name).lower()
 
 
-_BY_KEY = {_key(t): t for t in KNOWN_PAIRS} | ALIASES
+_BY_KEY = {_key(t): t for t in DEFAULT_DRAFTS} | ALIASES
 _UNSUPPORTED_KEY = {_key(t): t for t in UNSUPPORTED_PAIRS}
 
 
@@ -142,7 +157,7 @@ def find(target: str) -> Optional[Draft]:
     """The registry entry for a target hub id, mlx-community quantization or
     local directory named like one; None when the target is unknown."""
     base = _BY_KEY.get(_key(target))
-    return KNOWN_PAIRS[base] if base else None
+    return DEFAULT_DRAFTS[base] if base else None
 
 
 def unsupported(target: str) -> Optional[str]:
@@ -184,7 +199,7 @@ def resolve_pair(model: Optional[str], draft: Optional[str]) -> Pair:
     if draft is None and entry is None:
         raise DFlashError(
             f"no known DFlash draft for target '{model}'; pass --draft, or use one of: "
-            + ", ".join(KNOWN_PAIRS)
+            + ", ".join(DEFAULT_DRAFTS)
         )
     return Pair(model, draft or entry.repo, entry.enable_thinking if entry else None)
 

@@ -8,13 +8,13 @@ from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError
 from dflash_mlx.cli import app
-from dflash_mlx.registry import (DISTRIBUTED_FAMILIES, KNOWN_PAIRS, UNSUPPORTED_PAIRS, find_draft, fitting,
-                                 listing, memory_budget, resolve_pair, weights_gb)
+from dflash_mlx.registry import (DISTRIBUTED_FAMILIES, DSPARK_DRAFTS, KNOWN_PAIRS, UNSUPPORTED_PAIRS, find_draft,
+                                 fitting, listing, memory_budget, resolve_pair, weights_gb)
 from dflash_mlx.targets import SUPPORTED_MODEL_TYPES
 
 
 def test_every_entry_runs_here_or_says_why_not():
-    for target, draft in KNOWN_PAIRS.items():
+    for target, draft in [*KNOWN_PAIRS.items(), *DSPARK_DRAFTS.items()]:
         assert draft.model_type in SUPPORTED_MODEL_TYPES, target
         assert draft.unsupported is None and draft.params_b > 0, target
     for target, draft in UNSUPPORTED_PAIRS.items():
@@ -28,6 +28,8 @@ def test_every_entry_runs_here_or_says_why_not():
     ("mlx-community/Qwen3.5-122B-A10B-4bit", "z-lab/Qwen3.5-122B-A10B-DFlash"),
     ("Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash"),
     ("moonshotai/Kimi-K2.5", None),
+    ("mlx-community/Qwen3-14B-4bit", "deepseek-ai/dspark_qwen3_14b_block7"),  # its only draft is DSpark's
+    ("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),  # a DFlash draft stays the default beside DSpark's
 ])
 def test_new_entries_resolve(target, draft):
     assert find_draft(target) == draft
@@ -77,3 +79,12 @@ def test_models_shows_sizes_fit_and_the_targets_that_cannot_run():
     for target, draft in UNSUPPORTED_PAIRS.items():
         line = next(line for line in lines if line.startswith(target))
         assert draft.repo in line and draft.unsupported in line
+
+
+def test_models_lists_the_dspark_drafts_with_sizes_and_fit():
+    output = CliRunner().invoke(app, ["models"]).output
+    assert all(d.repo in output for d in DSPARK_DRAFTS.values())
+    pairs, _ = listing(16 * 10**9)
+    row = next(r for r in pairs if r[1] == "deepseek-ai/dspark_qwen3_8b_block7")
+    assert row == ["Qwen/Qwen3-8B", "deepseek-ai/dspark_qwen3_8b_block7", "template default", "7", "16", "9", "5",
+                   "8-bit"]
