@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from checkpoints import build_target
 from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_lm_load
+from test_dspark import write_dspark_draft
 from typer.testing import CliRunner
 
 from dflash_mlx import DFlashError
@@ -477,6 +479,23 @@ def test_cli_bench_end_to_end(target_dirs, draft_dir, tmp_path):
     res = CliRunner().invoke(app, ["bench", "--predict", "--results", str(out), "--chip", "M1"])
     assert res.exit_code == 0, res.output
     assert "M1" in res.output
+
+
+def test_bench_names_a_dspark_drafts_architecture(target_dirs, tmp_path):
+    model, _ = mlx_lm_load(str(target_dirs["qwen3"]))
+    draft = tmp_path / "dspark"
+    draft.mkdir()
+    write_dspark_draft(draft, model, json.loads((target_dirs["qwen3"] / "config.json").read_text()))
+    path, out = tmp_path / "p.jsonl", tmp_path / "r.json"
+    path.write_text(json.dumps(PROMPTS[0]))
+    res = CliRunner().invoke(app, ["bench", "--model", str(target_dirs["qwen3"]), "--draft", str(draft),
+                                   "--prompts", str(path), "--no-warmup", "--json", str(out), "-n", "6", "-b", "6"])
+    assert res.exit_code == 0, res.output
+    assert "(DSpark)" in res.output
+    written = report.read_report(out)
+    assert written["config"]["draft_architecture"] == "dspark"
+    assert written["config"]["draft_trained_block_size"] == 6  # gamma 5 and the anchor
+    assert written["summary"]["dflash"]["6"]["identical"] == 1
 
 
 # ---------------------------------------------------------------- cycle phases

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 from .. import validate
 from ..chat import has_template, thinking_note
 from ..distributed import session, shared_cost_curve, talks
-from ..draft import DraftConfig, is_dflash2
+from ..draft import draft_classes, is_dflash2, is_dspark
 from ..errors import DFlashError
 from ..loop import Watched
 from ..loop.cost_curve import cost_curve
@@ -239,6 +239,11 @@ def main(*, given: set[str], model: Optional[str], draft: Optional[str], prompts
                  draft_vocab=draft_vocab, draft_dtype=draft_dtype, contexts=contexts, kv=kv, launch=launch)
 
 
+def draft_architecture(config: dict) -> str:
+    """'dspark', 'dflash2' or 'v1': the architecture a draft config.json names."""
+    return "dspark" if is_dspark(config) else "dflash2" if is_dflash2(config) else "v1"
+
+
 def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
              block_sizes: Optional[list[int]], tree_budgets: list[int], sampling: dict,
              repeat: int, limit: Optional[int], categories: Optional[list[str]], dtype: str,
@@ -262,7 +267,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     chosen = None if contexts else select_prompts(prompts, categories, limit)
     pair = resolve_pair(model, draft)
     draft_config = read_config(pair.draft, "draft")
-    trained = DraftConfig.from_dict(draft_config).block_size
+    trained = draft_classes(draft_config)[1].from_dict(draft_config).block_size
     warn = lambda message: err.print(f"warning: {message}", markup=False, highlight=False)  # noqa: E731
     block_sizes = [validate.block_size(b, trained, "--block-size", warn) for b in block_sizes or [validate.AUTO]]
     tree_block = None
@@ -299,7 +304,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
               "chat_template": chat_template, "enable_thinking": thinking, "prompts": prompts,
               "categories": categories, "limit": limit, "warmup": warmup,
               "draft_trained_block_size": trained, "draft_vocab": draft_vocab, "draft_dtype": dtype_name(dft),
-              "draft_architecture": "dflash2" if is_dflash2(draft_config) else "v1",
+              "draft_architecture": draft_architecture(draft_config),
               "contexts": contexts, "kv": kv, "cost_curve": curve.to_dict() if curve else None,
               "distributed": f"{launch.mode} x{launch.group.size()}" if launch else None}
     report = make_report(result, config, machine_info())

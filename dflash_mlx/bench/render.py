@@ -36,7 +36,7 @@ def render(report: dict, console) -> None:
 
     cfg, summ = report["config"], report["summary"]
     base = summ["baseline"]
-    arch = {"dflash2": " (DFlash2)", "v1": " (DFlash v1)"}.get(cfg.get("draft_architecture"), "")
+    arch = {"dspark": " (DSpark)", "dflash2": " (DFlash2)", "v1": " (DFlash v1)"}.get(cfg.get("draft_architecture"), "")
     t = Table(title=f"{cfg['model']} + {cfg['draft']}{arch}: {len(report['prompts'])} prompts x {cfg['repeat']} "
                     f"repeat(s), {cfg['max_tokens']} tokens, temperature {cfg['temperature']:g}, {cfg['dtype']}")
     for col in ("arm", "prefill tok/s", "decode tok/s", r"speedup median \[q1-q3] (min-max)", "total",
