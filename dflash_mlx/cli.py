@@ -276,7 +276,7 @@ def models():
 @app.command()
 def convert(
     ctx: typer.Context,
-    src: Optional[str] = typer.Argument(None, help="Draft to convert: a local z-lab draft directory or a hub repo id."),
+    src: Optional[str] = typer.Argument(None, help="Draft to convert (DFlash, DFlash2 or DSpark): a local directory or a hub repo id."),
     out: str = typer.Option(..., "--out", "-o", help="Output directory (written atomically)."),
     target: Optional[str] = typer.Option(None, "--target", help="Convert this target model (hub id or directory) with mlx-lm's converter instead of a draft."),
     quantize: bool = typer.Option(False, "--quantize", "-q", help="Quantize (4 bits unless --q-bits)."),
