@@ -141,11 +141,22 @@ def test_completions_take_text_or_ids_streamed_and_not(client, library):
         assert "".join(c.choices[0].text for c in streamed) == want.text
 
 
-def test_sampling_options_are_honoured_and_seeded(client, library):
+@pytest.fixture(scope="module")
+def fixed_block_client(pair_dirs, tmp_path_factory):
+    """A client of a server drafting blocks of 4 always: a seeded sampled reply is the library's
+    only where both ran the same blocks (the draws follow the blocks), which the adaptive block
+    cannot promise across two processes: its cost curve is timed, and timed again when a
+    process's cycles drift from it (as they may under a loaded CI machine)."""
+    with running_server(tmp_path_factory.mktemp("fixed"), *pair_dirs, "--api-key", KEY, "--block-size", "4") as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_sampling_options_are_honoured_and_seeded(fixed_block_client, library):
+    client = fixed_block_client
     run, tokenizer = library
     ids = tokenizer.encode("hello world what is")
     options = dict(temperature=0.9, top_p=0.95, seed=7, presence_penalty=0.5, frequency_penalty=0.3)
-    want, _ = run(ids, max_tokens=24, top_k=40, min_p=0.05, logit_bias={10: 5.0}, **options)
+    want, _ = run(ids, max_tokens=24, top_k=40, min_p=0.05, logit_bias={10: 5.0}, block_size=4, **options)
     extra = {"top_k": 40, "min_p": 0.05, "user": "someone", "unknown_field": [1, 2]}  # unknown: ignored
     texts = [
         client.completions.create(model="any", prompt=ids, max_tokens=24, logit_bias={"10": 5.0},
@@ -153,7 +164,7 @@ def test_sampling_options_are_honoured_and_seeded(client, library):
         for _ in range(2)
     ]
     assert texts == [want.text, want.text]
-    penalised, _ = run(ids, max_tokens=24, repetition_penalty=1.3)
+    penalised, _ = run(ids, max_tokens=24, repetition_penalty=1.3, block_size=4)
     reply = client.completions.create(model="any", prompt=ids, max_tokens=24,
                                       extra_body={"repetition_penalty": 1.3})
     assert reply.choices[0].text == penalised.text
