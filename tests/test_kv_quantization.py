@@ -171,7 +171,7 @@ def test_a_verified_block_ends_at_the_quantization_start():
 def serve_one(cache, pair, prompt, **options):
     """What the server's engine does for one request: (tokens, prompt tokens reused)."""
     model, tokenizer, draft = pair
-    context = cache.take(prompt)
+    context = cache.resume(prompt).context
     reused = len(context.tokens)
     mark, snapshot = cache.mark(context, prompt, tokenizer)
     tokens = [t for r in stream_generate(model, draft, tokenizer, prompt, context=context, **options)

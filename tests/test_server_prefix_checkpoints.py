@@ -48,7 +48,7 @@ def test_a_mark_at_the_last_turn_serves_another_final_turn(hybrid):
     cache = PrefixCache(target, draft, budget_bytes=10**9, interval=0)
     shared = tokenizer.encode(SYSTEM)
     first = shared + words(tokenizer, " list the files")
-    context = cache.take(first)
+    context = cache.resume(first).context
     mark, checkpoints = cache.mark(context, first, tokenizer, marks=[len(shared)])
     assert [c.position for c in checkpoints] == [len(shared), len(first) - 1]
     cache.put(context, mark, checkpoints)

@@ -22,9 +22,9 @@ from mlx_lm.generate import generation_stream, wired_limit
 from ..chat import encode
 from ..draft import subset_head
 from ..errors import DFlashError
-from ..generate import CLEAR_CACHE_EVERY, drained, request_sampler
+from ..generate import CLEAR_CACHE_EVERY, drained, ending, request_sampler
 from ..loop import BatchDecoder, BlockSampler, Row, SamplingParams, batch_policy
-from .jobs import Delta, Event, Failed, Job, Referee, Usage, internal
+from .jobs import Delta, Event, Failed, Finished, Job, Usage, internal
 from .logprobs import picked
 from .prefix_cache import PrefixCache
 from .stops import StopMatcher
@@ -41,7 +41,6 @@ class Live:
     usage: Usage
     stops: StopMatcher
     detokenizer: object  # its own streaming detokenizer
-    referee: Referee  # whether its grammar (if any) accepts it
 
 
 class Rows:
@@ -94,7 +93,6 @@ class Rows:
             self.decoder = self._fresh()
         try:  # before the prefix cache gives up an entry for it
             sampler = request_sampler(self.tokenizer, self.target.vocab_size, **request.sampling)
-            referee = Referee(request, self.tokenizer, self.target.vocab_size)
         except DFlashError as e:
             self.end(job, Failed(400, str(e)))
             return
@@ -113,7 +111,7 @@ class Rows:
                 row, first = self.decoder.add(mx.array(request.prompt), sampler, request.max_tokens, context,
                                               logprobs=request.logprobs is not None, tag=job)
                 live = Live(job, row, mark, checkpoints, usage, StopMatcher(request.stop),
-                            self.tokenizer.detokenizer, referee)
+                            self.tokenizer.detokenizer)
                 self.live[job] = live
                 finish = self._feed(live, [first])
                 if finish:
@@ -167,7 +165,6 @@ class Rows:
         if finish:
             live.detokenizer.finalize()
         usage.completion_tokens += len(emitted)
-        live.referee.feed(emitted)
         text, stopped = live.stops.feed(live.detokenizer.last_segment)
         if finish and not stopped:
             text += live.stops.flush()
@@ -185,7 +182,9 @@ class Rows:
         context = self.decoder.remove(live.row)
         mx.eval([c.state for c in context.target + context.draft])  # its own arrays, not views of the batch's
         self.prefix_cache.put(context, live.mark, live.checkpoints)
-        self._end(live, live.referee.finished(finish, live.usage, live.stops.matched))
+        # a reply that ended at EOS, not at a stop string, says "error" where it stopped short of its grammar
+        finish, error = ending(finish, live.row.sampler) if live.stops.matched is None else (finish, None)
+        self._end(live, Finished(finish, live.usage, live.stops.matched, error))
 
     def _end(self, live: Live, event: Event) -> None:
         del self.live[live.job]

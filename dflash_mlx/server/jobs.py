@@ -8,9 +8,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-import mlx.core as mx
-
-from .. import structured
 from .logprobs import Picked
 
 
@@ -75,26 +72,6 @@ class Failed:
 
 
 Event = Union[Delta, Finished, Failed]
-
-
-class Referee:
-    """Follows a reply's emitted tokens with a matcher of its request's
-    ``response_format`` of its own, to tell at the end whether the grammar
-    accepts the reply: one that ended at EOS short of it ends with "error"."""
-
-    def __init__(self, request: Request, tokenizer, vocab_size: int):
-        self.grammar = structured.constraint_for(request.sampling.get("response_format"), tokenizer, vocab_size)
-
-    def feed(self, tokens: list[int]) -> None:
-        if self.grammar is not None and tokens:
-            self.grammar.commit(mx.array(tokens, dtype=mx.int32))
-
-    def finished(self, finish: str, usage: Usage, stop_sequence: Optional[str]) -> Finished:
-        """How the reply ended: ``finish``, or "error" and why where it ended
-        at EOS (not a stop string) with its grammar incomplete."""
-        ended_itself = finish == "stop" and stop_sequence is None and self.grammar is not None
-        error = self.grammar.verdict() if ended_itself else None
-        return Finished("error" if error else finish, usage, stop_sequence, error)
 
 
 def internal(error: Exception) -> Failed:

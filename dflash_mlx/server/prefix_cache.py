@@ -120,10 +120,6 @@ class PrefixCache:
         exact = all(c.can_trim(len(tokens) - n) for c in entry.context.draft)
         return n if exact else 0
 
-    def take(self, prompt: list[int]) -> ContextCache:
-        """``resume(prompt).context``: the caches alone."""
-        return self.resume(prompt).context
-
     def resume(self, prompt: list[int]) -> Resume:
         """Caches holding the longest reusable prefix of ``prompt`` (an entry
         or a copy of one) or fresh ones, with the checkpoints they keep and
