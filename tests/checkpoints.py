@@ -145,6 +145,20 @@ _FAMILY = {
         "architectures": ["Gemma4ForCausalLM"],
         "tie_word_embeddings": True,
     },
+    "lfm2": {  # LFM2's layout: short-convolution layers (window 2) with attention at 2 and 4; no head of its own
+        "architectures": ["Lfm2ForCausalLM"],
+        "num_hidden_layers": 6,
+        "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_multiple_of": 32,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": True,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
 }
 # Gemma 4: sliding layers (window 4, smaller than a verify block) and full
 # layers with a wider head and partial proportional RoPE; soft-capped logits.
@@ -323,7 +337,7 @@ def _init_weights(model, seed: int) -> None:
         if "embed_tokens" in name or "lm_head" in name:
             w = rng.normal(0.0, EMBED_STD, p.shape)
             w[[*range(len(SPECIAL_TOKENS)), -1]] *= 0.1  # specials and <mask>: rarely predicted
-        elif name.endswith("model.norm.weight"):
+        elif name.endswith(("model.norm.weight", "model.embedding_norm.weight")):  # lfm2's final norm
             w = FINAL_NORM * (1.0 + 0.1 * rng.normal(size=p.shape))
         elif name.endswith(".bias"):
             w = rng.normal(0.0, 0.02, p.shape)

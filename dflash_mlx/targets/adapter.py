@@ -5,7 +5,8 @@ logits-ready hidden states plus the features at ``target_layer_ids``, and it
 rolls every cache back exactly after a partially accepted block. How each
 layer runs and rolls back is its layer kind's business (``layer_kinds.py``):
 attention caches are trimmed; GatedDeltaNet layers go back to a state the
-verify pass went through, from what it recorded (``gated_delta.py``). How a
+verify pass went through, from what it recorded (``gated_delta.py``); LFM2's
+short convolutions take their window from the recorded input (``short_conv.py``). How a
 family's pass enters, chains and leaves its layers is its stack's business:
 most call ``layer(h, mask, cache)`` on the embeddings (``PlainStack``); Gemma 4
 scales the embeddings, feeds per-layer inputs, shares K/V across layers and
@@ -31,8 +32,9 @@ from .layer_kinds import layer_kinds
 from .verify_matmuls import VerificationMatmuls, quantized_matmul
 
 SUPPORTED_MODEL_TYPES = (
-    "llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_next", "gemma4", "gemma4_text",
+    "llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_next", "gemma4", "gemma4_text", "lfm2",
 )
+FINAL_NORMS = {"lfm2": "embedding_norm"}  # model type -> its final norm's name where it is not ``norm``
 
 
 @dataclass(frozen=True)
@@ -84,10 +86,12 @@ class Target:
         except DFlashError as e:
             raise DFlashError(f"target '{model_type}': {e}") from None
         self.args = text.args
-        tied = getattr(text.args, "tie_word_embeddings", False)
+        # a model with no head of its own (lfm2) reads its logits through the embedding
+        tied = getattr(text.args, "tie_word_embeddings", False) or not hasattr(text, "lm_head")
         self.lm_head = self.inner.embed_tokens.as_linear if tied else text.lm_head
         self.head_module = self.inner.embed_tokens if tied else text.lm_head  # holds the head's weights
         self.stack = STACKS.get(model_type, PlainStack)(text)
+        self.final_norm = getattr(self.inner, FINAL_NORMS.get(model_type, "norm"))  # before the head
         self.verify_matmuls = VerificationMatmuls(model)  # with target.verify_matmuls(): one verify pass
 
     @property
@@ -156,7 +160,7 @@ class Target:
                 if self.first_layer + i in wanted:
                     wanted[self.first_layer + i] = h
         h, features = self.stage_output(h, wanted, layer_ids)
-        return Forward(self.inner.norm(h), features, records if record else None)
+        return Forward(self.final_norm(h), features, records if record else None)
 
     def embed_rows(self, tokens: mx.array) -> mx.array:
         """The embedding table's rows, before any scale the model's pass applies

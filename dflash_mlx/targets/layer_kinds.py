@@ -9,10 +9,12 @@ block. The target adapter (``adapter.py``) only ever talks to kinds.
   rolled back by ``trim``;
 - GatedDeltaNet (``gated_delta.py``): a recording forward, rolled back to a
   state the verify pass went through (kept every few steps, or replayed by a
-  kernel).
+  kernel);
+- LFM2's short convolution (``short_conv.py``): a recording forward, rolled
+  back by slicing the recorded convolution input.
 
-A new recurrence (e.g. Mamba-2, short convolutions) is one new module with a
-kind like ``gated_delta.GatedDelta``, listed in ``RECURRENT_KINDS``.
+A new recurrence (e.g. Mamba-2) is one new module with a kind like
+``gated_delta.GatedDelta``, listed in ``RECURRENT_KINDS``.
 """
 
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from . import gated_delta
+from . import gated_delta, short_conv
 from .rows import RowKVCache
 from ..errors import DFlashError
 
@@ -51,7 +53,7 @@ class LayerKind(Protocol):
         """Per row r of a batch's cache, keep the first ``keeps[r]`` of ``block`` tokens."""
 
 
-RECURRENT_KINDS: tuple = (gated_delta.GATED_DELTA,)
+RECURRENT_KINDS: tuple = (gated_delta.GATED_DELTA, short_conv.SHORT_CONV)
 
 
 def _check_trimmable(cache: Any) -> None:

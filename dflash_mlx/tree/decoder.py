@@ -80,7 +80,7 @@ def tree_forward(target: Target, tree: Tree, cache: list, layer_ids: list[int]) 
             if target.first_layer + i in layer_ids:
                 wanted[target.first_layer + i] = h
     h, features = target.stage_output(h, wanted, layer_ids)
-    return Forward(target.inner.norm(h), features, records)
+    return Forward(target.final_norm(h), features, records)
 
 
 def commit(target: Target, cache: list, forward: Forward, offset: int, path: list[int]) -> None:

@@ -1,0 +1,145 @@
+"""LFM2 targets (mlx-lm's ``lfm2``; docs/targets.md, "LFM2"): short-convolution
+layers beside attention, run through the short-convolution layer kind; exact
+rollback at every kept length, lossless against mlx-lm's greedy output at every
+acceptance length, with a DFlash draft and with a DSpark draft in LiquidAI's
+packaging on its own kind of target. The target is a tiny lfm2 checkpoint
+saved by mlx-lm's writers (``checkpoints.py``) and loaded like a user's."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+from test_dspark import assert_every_acceptance_length, write_dspark_draft
+from test_dspark_packaging import LIQUID_GAMMA, write_liquid
+from test_loop import (
+    assert_caches_identical, assert_same_or_near_tie, check_recording_forward_matches_the_plain_forward,
+    check_rollback_at_every_acceptance_length, greedy_reference,
+)
+
+from dflash_mlx import DFlashError, Target, batch_generate, generate, load_draft
+from dflash_mlx.draft import DSparkDraft
+from dflash_mlx.targets.layer_kinds import Attention
+from dflash_mlx.targets.short_conv import SHORT_CONV
+
+# interleaved RoPE (LiquidAI's): the draft's KV injection runs layer by layer, and says so once
+pytestmark = pytest.mark.filterwarnings("ignore:dflash-mlx. KV injection runs layer by layer")
+
+PROMPT = "write a short story about a cat who"
+BLOCK = 8  # the verify block of the rollback tests
+
+
+@pytest.fixture(scope="module")
+def lfm2(target_dirs, draft_dir):
+    model, tokenizer = mlx_lm_load(str(target_dirs["lfm2"]))
+    return model, tokenizer, load_draft(str(draft_dir("lfm2", block_size=16)))
+
+
+@pytest.fixture(scope="module")
+def liquid(tmp_path_factory, target_dirs, lfm2):
+    """A random DSpark draft for the lfm2 target in LiquidAI's on-disk layout (no
+    embedding or head: the target's are borrowed)."""
+    root = tmp_path_factory.mktemp("liquid-lfm2")
+    config = json.loads((target_dirs["lfm2"] / "config.json").read_text())
+    write_dspark_draft(root / "source", lfm2[0], config, gamma=LIQUID_GAMMA)
+    write_liquid(root / "source", root / "liquid")
+    return root / "liquid"
+
+
+def test_its_layers_are_short_convolutions_and_attention(lfm2):
+    model = lfm2[0]
+    target = Target(model)
+    assert target.kinds == [SHORT_CONV, SHORT_CONV, Attention("full_attention"), SHORT_CONV,
+                            Attention("full_attention"), SHORT_CONV]
+    assert target.final_norm is model.model.embedding_norm  # lfm2's name for its final norm
+    hidden = mx.random.normal((1, 3, target.hidden_size))
+    assert mx.array_equal(target.logits(hidden), model.model.embed_tokens.as_linear(hidden)).item()  # tied
+
+
+def test_recording_forward_matches_the_plain_forward(lfm2):
+    model, tokenizer, _ = lfm2
+    check_recording_forward_matches_the_plain_forward(model, tokenizer)
+
+
+def test_rollback_to_every_kept_length_is_feeding_the_kept_tokens_alone(lfm2):
+    """After a recorded pass over a block of 8, rolling back to keep = 1..8 leaves
+    every conv window and K/V cache as feeding only the first ``keep`` tokens
+    does: the same offsets and shapes, and values equal up to the matmuls'
+    rounding over another number of rows (the right-padded test below is
+    bit-exact); a window one row off is told apart."""
+    model, tokenizer, _ = lfm2
+    target = Target(model)
+    prompt = mx.array(tokenizer.encode("the quick brown fox jumps"))[None]
+    block = mx.array(tokenizer.encode(" over the lazy dog hello world what is", add_special_tokens=False)[:BLOCK])
+    assert block.size == BLOCK
+    for keep in range(1, BLOCK + 1):
+        rolled, alone = target.make_cache(), target.make_cache()
+        for cache in (rolled, alone):
+            target.forward(prompt, cache, [0])
+        forward = target.forward(block[None], rolled, [0], record=True)
+        target.rollback(rolled, forward, keep)
+        target.forward(block[None, :keep], alone, [0])
+        for i, (got, want, kind) in enumerate(zip(rolled, alone, target.kinds)):
+            if kind is SHORT_CONV:
+                assert got[0].shape == want[0].shape and mx.allclose(got[0], want[0], atol=1e-5).item(), i
+                shifted = forward.records[i].conv_input[:, keep - 1 : keep + 1]  # one row early
+                assert not mx.allclose(shifted, want[0], atol=1e-3).item()
+            else:
+                assert got.offset == want.offset == prompt.shape[1] + keep
+                for a, b in zip(got.keys_and_values(), want.keys_and_values()):
+                    assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item(), i
+
+
+@pytest.mark.parametrize("block_size", [5, 9])
+def test_rollback_at_every_acceptance_length(lfm2, block_size):
+    """An oracle proposer accepts 0..block_size - 1 drafts and the full block in
+    turn: the output is mlx-lm's greedy continuation, and after each cycle every
+    cache is bit-identical to one fed the same block with only the accepted
+    tokens kept (mlx-lm's right padding, which its ShortConv honours)."""
+    model, tokenizer, _ = lfm2
+    check_rollback_at_every_acceptance_length(model, tokenizer, block_size)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 16])
+def test_greedy_output_is_mlx_lm_greedy_output(lfm2, block_size):
+    model, tokenizer, draft = lfm2
+    ids = tokenizer.encode(PROMPT)
+    want = greedy_reference(model, ids, 48)
+    res = generate(model, draft, tokenizer, PROMPT, max_tokens=48, block_size=block_size)
+    assert len(set(want)) > 8, "fixture too degenerate to prove anything"
+    assert_same_or_near_tie(model, ids, res.tokens, want)
+
+
+def test_batch_rows_roll_back_on_their_own(lfm2):
+    """The batch decoder's rows (each its own conv window, rolled back to its own
+    kept length) give every request its solo output."""
+    model, tokenizer, draft = lfm2
+    prompts = ["the quick brown fox", "hello", PROMPT]
+    results = batch_generate(model, draft, tokenizer, prompts, max_tokens=[20, 9, 14], block_size=4)
+    for prompt, limit, result in zip(prompts, [20, 9, 14], results):
+        assert result.tokens == generate(model, draft, tokenizer, prompt, max_tokens=limit, block_size=4).tokens
+
+
+def test_a_tree_budget_is_refused_in_one_line(lfm2):
+    model, tokenizer, draft = lfm2
+    with pytest.raises(DFlashError, match="short_conv layers") as e:
+        generate(model, draft, tokenizer, PROMPT, max_tokens=4, block_size=4, tree_budget=8)
+    assert "\n" not in str(e.value)
+
+
+def test_liquids_dspark_draft_runs_on_an_lfm2_target(lfm2, liquid):
+    """LiquidAI's packaging (gamma 9, interleaved RoPE, the target's embedding and
+    head) on an lfm2 target: mlx-lm's greedy output at blocks 2 and gamma + 1."""
+    model, tokenizer, _ = lfm2
+    draft = load_draft(str(liquid))
+    assert isinstance(draft, DSparkDraft) and draft.config.block_size == LIQUID_GAMMA + 1
+    for text in ("the quick brown fox", "hello world what is"):
+        ids = tokenizer.encode(text)
+        want = greedy_reference(model, ids, 24)
+        for block_size in (2, LIQUID_GAMMA + 1):
+            assert generate(model, draft, tokenizer, ids, max_tokens=24, block_size=block_size).tokens == want
+
+
+def test_liquids_dspark_draft_is_lossless_at_every_acceptance_length(lfm2, liquid):
+    model, tokenizer, _ = lfm2
+    assert_every_acceptance_length(model, tokenizer, liquid)
