@@ -9,16 +9,15 @@ target (per-layer inputs, KV-shared layers); Gemma 4's own packaging
 import json
 
 import pytest
-from mlx_lm import load as mlx_lm_load
 from test_dspark import GAMMA, assert_every_acceptance_length, greedy_reference, write_dspark_draft
 
-from dflash_mlx import generate, load_draft
+from dflash_mlx import generate, load, load_draft
 from dflash_mlx.draft import DSparkDraft
 
 
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory, target_dirs):
-    model, tokenizer = mlx_lm_load(str(target_dirs["gemma4"]))
+    model, tokenizer = load(str(target_dirs["gemma4"]))
     path = tmp_path_factory.mktemp("dspark-gemma4")
     write_dspark_draft(path, model, json.loads((target_dirs["gemma4"] / "config.json").read_text()))
     return model, tokenizer, path

@@ -3,13 +3,13 @@ layers beside attention, run through the short-convolution layer kind; exact
 rollback at every kept length, lossless against mlx-lm's greedy output at every
 acceptance length, with a DFlash draft and with a DSpark draft in LiquidAI's
 packaging on its own kind of target. The target is a tiny lfm2 checkpoint
-saved by mlx-lm's writers (``checkpoints.py``) and loaded like a user's."""
+saved by mlx-lm's writers (``checkpoints.py``) and loaded as a user's is, by
+``dflash_mlx.load``."""
 
 import json
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load as mlx_lm_load
 from test_dspark import assert_every_acceptance_length, write_dspark_draft
 from test_dspark_packaging import LIQUID_GAMMA, write_liquid
 from test_loop import (
@@ -17,7 +17,7 @@ from test_loop import (
     check_rollback_at_every_acceptance_length, greedy_reference,
 )
 
-from dflash_mlx import DFlashError, Target, batch_generate, generate, load_draft
+from dflash_mlx import DFlashError, Target, batch_generate, generate, load, load_draft
 from dflash_mlx.draft import DSparkDraft
 from dflash_mlx.targets.layer_kinds import Attention
 from dflash_mlx.targets.short_conv import SHORT_CONV
@@ -31,7 +31,7 @@ BLOCK = 8  # the verify block of the rollback tests
 
 @pytest.fixture(scope="module")
 def lfm2(target_dirs, draft_dir):
-    model, tokenizer = mlx_lm_load(str(target_dirs["lfm2"]))
+    model, tokenizer = load(str(target_dirs["lfm2"]))
     return model, tokenizer, load_draft(str(draft_dir("lfm2", block_size=16)))
 
 
