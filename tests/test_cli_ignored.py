@@ -22,6 +22,8 @@ def refused(args, wanted, cwd=None):
 TRAIN_ONLY_WITH = [
     (["--conv", "2,16"], "--conv does nothing without --arch dflash2"),
     (["--selector", "64,8", "--selector-weight", "0.5"], "--selector, --selector-weight do nothing without --arch dflash2"),
+    (["--markov-rank", "64"], "--markov-rank does nothing without --arch dspark"),
+    (["--arch", "dflash2", "--markov-rank", "64"], "--markov-rank does nothing without --arch dspark"),
     (["--num-prompts", "10"], "--num-prompts does nothing without --self-distill"),
     (["--distill-tokens", "10", "--cache-features"], "--distill-tokens, --cache-features do nothing without --self-distill"),
     (["--eval-count", "0", "--eval-tokens", "8", "--eval-every", "2"], "--eval-tokens, --eval-every do nothing without"),

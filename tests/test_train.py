@@ -20,6 +20,7 @@ from dflash_mlx.train.config import DraftTrainConfig, draft_config_for
 from dflash_mlx.train.dflash2 import initial_draft
 from dflash_mlx.train.data import SequenceData, StreamData, corpus_stream
 from dflash_mlx.train.loop import OptimConfig, fit, list_checkpoints, lr_schedule
+from dflash_mlx.train.dspark import DSparkObjective
 from dflash_mlx.train.objective import DraftObjective, draft_train_forward, sample_anchors
 from dflash_mlx.train.records import read_records
 
@@ -51,6 +52,7 @@ TINY = dict(num_layers=2, block_size=8, seq_len=48, batch_size=4, blocks_per_seq
 
 
 DFLASH2 = dict(arch="dflash2", selector_rank=8, selector_top_k=4, conv_group_size=8)
+DSPARK = dict(arch="dspark", markov_rank=8)
 
 
 def shaken(draft):
@@ -113,7 +115,8 @@ def _objective(hybrid, corpus, **over):
     cfg = DraftTrainConfig(**{**TINY, **over})
     config = draft_config_for(target, cfg, target.vocab_size - 1)
     stream = corpus_stream(tokenizer, read_records([str(corpus[0])]), 2)
-    return target, config, DraftObjective(target, config, cfg, StreamData(stream), seed=0)
+    kind = DSparkObjective if cfg.arch == "dspark" else DraftObjective
+    return target, config, kind(target, config, cfg, StreamData(stream), seed=0)
 
 
 def _fresh_draft(config, seed=0):
@@ -121,15 +124,16 @@ def _fresh_draft(config, seed=0):
     return initial_draft(config)
 
 
-def test_a_few_steps_lower_the_loss(hybrid, corpus, tmp_path):
-    _, config, objective = _objective(hybrid, corpus)
+@pytest.mark.parametrize("arch", [{}, DSPARK])
+def test_a_few_steps_lower_the_loss(hybrid, corpus, tmp_path, arch):
+    _, config, objective = _objective(hybrid, corpus, **arch)
     draft = _fresh_draft(config)
     cfg = OptimConfig(steps=30, learning_rate=3e-3, warmup_steps=3, checkpoint_every=0, log_every=10)
     losses = fit(draft, objective.loss, objective.batch, cfg, tmp_path)["losses"]
     assert np.mean(losses[-5:]) < 0.9 * np.mean(losses[:3]), losses
 
 
-@pytest.mark.parametrize("arch", [{}, DFLASH2])
+@pytest.mark.parametrize("arch", [{}, DFLASH2, DSPARK])
 def test_checkpoint_resumes_bit_identically(hybrid, corpus, tmp_path, arch):
     _, config, objective = _objective(hybrid, corpus, **arch)
     cfg = OptimConfig(steps=6, learning_rate=3e-3, warmup_steps=2, checkpoint_every=2,
@@ -212,13 +216,14 @@ def greedy(model, ids, n):
     return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
 
 
-def test_trained_draft_loads_and_decodes_losslessly(hybrid, target_dirs, corpus, tmp_path):
+@pytest.mark.parametrize("arch", [{}, DSPARK])
+def test_trained_draft_loads_and_decodes_losslessly(hybrid, target_dirs, corpus, tmp_path, arch):
     from dflash_mlx.convert import convert_draft
 
     model, tokenizer = hybrid
     res = train_draft(
         str(target_dirs["qwen3_5"]), str(tmp_path / "run"), [str(corpus[0])],
-        DraftTrainConfig(**TINY), OptimConfig(steps=4, warmup_steps=1, checkpoint_every=2),
+        DraftTrainConfig(**TINY, **arch), OptimConfig(steps=4, warmup_steps=1, checkpoint_every=2),
         export_hf_dir=str(tmp_path / "hf"), model_and_tokenizer=hybrid,
     )
     assert res["final_eval"]["cycles"] > 0
@@ -231,7 +236,11 @@ def test_trained_draft_loads_and_decodes_losslessly(hybrid, target_dirs, corpus,
             want = greedy(model, ids, 32)
             assert out.tokens == want[: len(out.tokens)] and len(out.tokens) > 8
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert hf["architectures"] == ["DFlashDraftModel"] and hf["dflash_config"]["block_size"] == 8
+    if arch:  # DeepSpec's layout: flat keys, block_size the trained gamma, the borrowed copies in
+        assert hf["architectures"] == ["Qwen3DSparkModel"] and hf["block_size"] == 7 and hf["markov_rank"] == 8
+        assert {"embed_tokens.weight", "lm_head.weight"} <= mx.load(str(tmp_path / "hf" / "model.safetensors")).keys()
+    else:
+        assert hf["architectures"] == ["DFlashDraftModel"] and hf["dflash_config"]["block_size"] == 8
     assert hf["torch_dtype"] == "bfloat16"
     converted = convert_draft(res["hf_dir"], tmp_path / "converted", dtype="float32")
     assert load_draft(str(converted)).config.target_layer_ids == draft.config.target_layer_ids
@@ -260,19 +269,23 @@ def test_resuming_with_other_settings_is_refused(hybrid, target_dirs, corpus, tm
                     OptimConfig(steps=2, warmup_steps=0), model_and_tokenizer=hybrid)
 
 
-def test_cached_features_equal_live_ones_to_float16(hybrid, corpus):
+@pytest.mark.parametrize("arch", [{}, DSPARK])
+def test_cached_features_equal_live_ones_to_float16(hybrid, corpus, arch):
     model, tokenizer = hybrid
     target = Target(model)
     seqs = [np.array(tokenizer.encode(l), np.int32) for l in corpus[0].read_text().splitlines()[:12]]
     data = SequenceData(seqs, [3] * len(seqs), pad_id=2)
-    live_cfg = DraftTrainConfig(**{**TINY, "seq_len": 24, "blocks_per_seq": 2})
-    cached_cfg = DraftTrainConfig(**{**TINY, "seq_len": 24, "blocks_per_seq": 2, "cache_features": True})
+    live_cfg = DraftTrainConfig(**{**TINY, "seq_len": 24, "blocks_per_seq": 2, **arch})
+    cached_cfg = DraftTrainConfig(**{**TINY, "seq_len": 24, "blocks_per_seq": 2, "cache_features": True, **arch})
     config = draft_config_for(target, live_cfg, target.vocab_size - 1)
-    live = DraftObjective(target, config, live_cfg, data, seed=0).batch(5, 1)
-    cached = DraftObjective(target, config, cached_cfg, data, seed=0).batch(5, 1)
+    kind = DSparkObjective if arch else DraftObjective
+    live = kind(target, config, live_cfg, data, seed=0).batch(5, 1)
+    cached = kind(target, config, cached_cfg, data, seed=0).batch(5, 1)
     for i in (0, 2, 3):
         assert mx.array_equal(live[i], cached[i]).item()
     assert mx.allclose(live[1], cached[1], rtol=2e-3, atol=2e-3).item()
+    if arch:  # the target's logits (the teacher p), from its cached final hidden states
+        assert mx.allclose(live[4], cached[4], rtol=1e-2, atol=1e-2).item()
 
 
 def test_cli_trains_resumes_and_exports(target_dirs, corpus, tmp_path):
@@ -305,6 +318,8 @@ def test_cli_trains_resumes_and_exports(target_dirs, corpus, tmp_path):
     (["--data", "X", "--arch", "dflash2", "--conv", "2"], "--conv"),
     (["--data", "X", "--arch", "dflash2", "--conv", "2,7"], "conv_group_size 7 does not divide"),
     (["--data", "X", "--arch", "dflash2", "--selector-weight", "nan"], "--selector-weight"),
+    (["--data", "X", "--arch", "dspark", "--markov-rank", "-1"], "--markov-rank must be >= 0"),
+    (["--data", "X", "--arch", "dspark", "--sliding-window", "4", "--layers", "2"], "no mask"),
 ])
 def test_cli_train_bad_input_is_one_error_line(target_dirs, tmp_path, extra, fragment):
     from typer.testing import CliRunner

@@ -22,6 +22,7 @@ from ..targets import Target
 from .config import ARCHS, DraftTrainConfig, draft_config_for, mask_token_id
 from .data import prepare_data
 from .dflash2 import initial_draft
+from .dspark import DSparkObjective
 from .evaluate import evaluate_tau
 from .export import export_hf, save_draft
 from .loop import OptimConfig, fit, list_checkpoints
@@ -97,7 +98,7 @@ def train_draft(
 
     Writes ``out_dir/checkpoints/step_*`` (exact resume), ``out_dir/draft``
     (MLX layout, loads with ``load_draft``) and, with ``export_hf_dir``, the
-    z-lab Hugging Face layout. ``stop_after`` pauses after that many steps
+    z-lab Hugging Face layout (DeepSpec's for ``arch="dspark"``). ``stop_after`` pauses after that many steps
     (resume later with the same arguments). Resuming a run of other settings
     or data is refused; ``resume=False`` starts over in ``out_dir``.
     """
@@ -129,7 +130,8 @@ def train_draft(
         )
         mx.random.seed(optim_cfg.seed)
         draft = initial_draft(config)
-        objective = DraftObjective(target, config, train, dataset, optim_cfg.seed)
+        objective = (DSparkObjective if train.arch == "dspark" else DraftObjective)(
+            target, config, train, dataset, optim_cfg.seed)
         evals = []
 
         def on_checkpoint(step, path):
@@ -153,7 +155,7 @@ def train_draft(
         result["draft_dir"] = str(save_draft(draft, out / "draft"))
         log(f"wrote {result['draft_dir']}")
         if export_hf_dir:
-            result["hf_dir"] = str(export_hf(draft, Path(export_hf_dir), hf_dtype))
+            result["hf_dir"] = str(export_hf(draft, Path(export_hf_dir), hf_dtype, target))
             log(f"wrote {result['hf_dir']} (Hugging Face layout, {hf_dtype})")
         if eval_prompts:
             r = evaluate_tau(model, draft, tokenizer, eval_prompts, train.eval_tokens)
@@ -188,7 +190,7 @@ def run_cli(
     target_layer_ids: Optional[str], block_size: int, mask_token_id: Optional[int],
     heads: Optional[int], kv_heads: Optional[int], head_dim: Optional[int],
     intermediate_size: Optional[int], sliding_window: Optional[int], arch: str, conv: str,
-    selector: str, selector_weight: float, steps: int,
+    selector: str, selector_weight: float, markov_rank: int, steps: int,
     batch_size: int, seq_len: int, blocks_per_seq: int, gamma: float, lr: float,
     warmup: int, min_lr_ratio: float, weight_decay: float, grad_accum: int, grad_clip: float,
     num_prompts: int, distill_tokens: int, cache_features: bool, eval_prompts: Optional[list[str]], eval_count: int,
@@ -200,6 +202,7 @@ def run_cli(
     if not data:
         raise DFlashError("give training data with --data (text or JSONL files or directories)")
     for flags, needed, present in ((("--conv", "--selector", "--selector-weight"), "--arch dflash2", arch == "dflash2"),
+                                   (("--markov-rank",), "--arch dspark", arch == "dspark"),
                                    (("--num-prompts", "--distill-tokens", "--cache-features"), "--self-distill",
                                     self_distill),
                                    (("--eval-prompts", "--eval-tokens", "--eval-every"), "--eval-count of 1 or more",
@@ -216,12 +219,13 @@ def run_cli(
         if value <= 0:
             raise DFlashError(f"{name} must be positive, got {value}")
     validate.integer(selector_top_k, "--selector's k", low=2)  # one candidate leaves nothing to select
+    validate.integer(markov_rank, "--markov-rank", low=0)  # 0: no Markov head
     if sliding_window is not None:
         validate.integer(sliding_window, "--sliding-window", low=1)
     if block_size < 2:
         raise DFlashError(f"--block-size must be at least 2, got {block_size}")
     if arch not in ARCHS:
-        raise DFlashError(f"--arch must be {' or '.join(ARCHS)}, got '{arch}'")
+        raise DFlashError(f"--arch must be {', '.join(ARCHS[:-1])} or {ARCHS[-1]}, got '{arch}'")
     if not selector_weight >= 0 or not math.isfinite(selector_weight):
         raise DFlashError(f"--selector-weight must be a non-negative number, got {selector_weight}")
     if hf_dtype not in ("bfloat16", "float16", "float32"):
@@ -236,7 +240,7 @@ def run_cli(
         eval_prompts=eval_count,
         eval_tokens=eval_tokens, eval_every=eval_every, arch=arch, conv_kernel_size=conv_kernel_size,
         conv_group_size=conv_group_size, selector_rank=selector_rank, selector_top_k=selector_top_k,
-        selector_weight=selector_weight,
+        selector_weight=selector_weight, markov_rank=markov_rank,
     )
     optim_cfg = OptimConfig(
         steps=steps, learning_rate=lr, warmup_steps=min(warmup, steps), min_lr_ratio=min_lr_ratio,

@@ -1,16 +1,18 @@
 """What a draft is trained for: its shape, objective and data settings, and the
-``DraftConfig`` (``DFlash2Config`` for ``arch="dflash2"``) it gets for a given target."""
+``DraftConfig`` (``DFlash2Config`` for ``arch="dflash2"``, ``DSparkConfig`` for
+``arch="dspark"``) it gets for a given target."""
 
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ..draft import FULL, SLIDING, DFlash2Config, DraftConfig, default_target_layer_ids
+from ..draft import FULL, SLIDING, DFlash2Config, DraftConfig, DSparkConfig, default_target_layer_ids
 from ..errors import DFlashError
 from ..targets import Target
 
 
-ARCHS = ("dflash", "dflash2")
+ARCHS = ("dflash", "dflash2", "dspark")
 DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DSPARK_OPTIONS = ("markov_rank",)
 
 
 @dataclass
@@ -18,7 +20,8 @@ class DraftTrainConfig:
     """What to train (the draft's shape) and on what."""
 
     # draft shape
-    arch: str = "dflash"  # or "dflash2": conv-wrapped sublayers and a candidate selector
+    arch: str = "dflash"  # "dflash2": conv-wrapped sublayers and a candidate selector;
+    # "dspark": the anchor as prediction slot 0, a Markov head and a confidence head
     num_layers: int = 1
     target_layer_ids: Optional[list[int]] = None  # default: the published spreading rule
     block_size: int = 16
@@ -52,14 +55,19 @@ class DraftTrainConfig:
     selector_rank: int = 256
     selector_top_k: int = 16
     selector_weight: float = 1.0
+    # DSpark only (docs/training.md, "DSpark drafts"): the Markov head's rank r
+    # (a V x r embedding and an r x V projection; 0: no Markov head)
+    markov_rank: int = 256
 
     def settings(self) -> dict:
-        """The settings a resumed run must share (a v1 run's omit the DFlash2
-        fields, so v1 runs written before they existed still resume)."""
+        """The settings a resumed run must share: only its own architecture's
+        fields (so runs written before the other architectures' fields existed
+        still resume; a v1 run's omit ``arch`` too)."""
         out = asdict(self)
-        if self.arch == "dflash":
-            for name in ("arch", *DFLASH2_OPTIONS, "selector_weight"):
-                out.pop(name)
+        unused = {"dflash": ("arch", *DFLASH2_OPTIONS, "selector_weight", *DSPARK_OPTIONS),
+                  "dflash2": DSPARK_OPTIONS, "dspark": (*DFLASH2_OPTIONS, "selector_weight")}
+        for name in unused.get(self.arch, ()):
+            out.pop(name)
         return out
 
 
@@ -95,8 +103,16 @@ def draft_config_for(target: Target, cfg: DraftTrainConfig, mask_token_id: int) 
     if dflash2 and cfg.selector_top_k > target.vocab_size:
         raise DFlashError(f"the selector's k ({cfg.selector_top_k}, --selector R,k) is larger than the target's "
                           f"vocabulary of {target.vocab_size} tokens; choose k of at most {target.vocab_size}")
-    config = (DFlash2Config if dflash2 else DraftConfig)(
+    if cfg.arch == "dspark" and cfg.markov_rank < 0:
+        raise DFlashError(f"the Markov head's rank must be 0 or more, got {cfg.markov_rank}")
+    dspark = dict(  # DeepSpec's heads, as every published DSpark draft has them (docs/dspark.md)
+        num_anchors=cfg.blocks_per_seq, enable_confidence_head=True,
+        confidence_head_with_markov=cfg.markov_rank > 0, markov_rank=cfg.markov_rank, markov_head_type="vanilla",
+    ) if cfg.arch == "dspark" else {}
+    kind = DFlash2Config if dflash2 else DSparkConfig if dspark else DraftConfig
+    config = kind(
         **dflash2,
+        **dspark,
         hidden_size=H,
         num_hidden_layers=n,
         num_attention_heads=heads,

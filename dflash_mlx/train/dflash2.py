@@ -17,7 +17,7 @@ weighted like the block loss (exp(-(k-1)/gamma) at block position k).
 
 import mlx.core as mx
 
-from ..draft import DFlash2Draft, DraftConfig, network_class
+from ..draft import DFlash2Draft, DraftConfig, DSparkDraft, network_class
 
 CODEBOOK_INIT_STD = 0.02  # the transition starts near zero: s_j is about z_j
 
@@ -26,8 +26,13 @@ def initial_draft(config: DraftConfig):
     """A freshly initialised draft of the config's architecture. A DFlash2
     draft starts as its v1 network: every convolution the identity (static tap
     1 at offset 0, no dynamic taps), and small codebooks, so the selector
-    starts from the block's own logits and training is as stable as v1's."""
+    starts from the block's own logits and training is as stable as v1's.
+    A DSpark draft's Markov head starts with W2 = 0, so its walk starts from
+    the block's own logits too (z_k = U_k; W1 learns once W2 moves)."""
     draft = network_class(config)(config)
+    if isinstance(draft, DSparkDraft) and draft.markov_head is not None:
+        w2 = draft.markov_head.markov_w2
+        w2.weight = mx.zeros_like(w2.weight)
     if isinstance(draft, DFlash2Draft):
         for layer in draft.layers:
             for conv in (layer.attention_conv, layer.mlp_conv):

@@ -12,7 +12,8 @@ recipe (``docs/architecture.md``):
 - the target's embedding and LM head are shared and frozen; the draft's
   layers, ``fc`` and norms are trained;
 - a DFlash2 draft's convolutions run inside each block, and its candidate
-  selector's loss is added (``dflash2.py``).
+  selector's loss is added (``dflash2.py``);
+- a DSpark draft's block and loss are its own (``dspark.py``).
 
 Many blocks of one sequence are trained in one forward: every block's queries
 score the shared context keys, masked to positions < anchor_j and, on sliding
@@ -158,13 +159,18 @@ class DraftObjective:
         if train.cache_features and isinstance(data, SequenceData):
             self.features = self._precompute()
 
+    @property
+    def feature_width(self) -> int:
+        """Channels ``_features`` gives per position (k*H: the target's features)."""
+        return self.config.feature_size
+
     def _features(self, tokens: mx.array) -> mx.array:
         return self.target.forward(tokens, None, self.config.target_layer_ids).features
 
     def _precompute(self) -> np.ndarray:
-        """Target features of every sequence, once (float16, [N, seq_len, k*H])."""
+        """``_features`` of every sequence, once (float16, [N, seq_len, feature_width])."""
         n, T = len(self.data), self.train.seq_len
-        out = np.zeros((n, T, self.config.feature_size), np.float16)
+        out = np.zeros((n, T, self.feature_width), np.float16)
         t0 = time.perf_counter()
         step = max(self.train.batch_size, 1)
         for start in range(0, n, step):
