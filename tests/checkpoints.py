@@ -159,6 +159,22 @@ _FAMILY = {
         "rope_theta": 1000000.0,
         "tie_word_embeddings": True,
     },
+    "lfm2_moe": {  # LFM2-8B-A1B's layout: lfm2's layers, the first two feed-forwards dense, then sigmoid-routed MoE
+        "architectures": ["Lfm2MoeForCausalLM"],
+        "num_hidden_layers": 4,
+        "layer_types": ["conv", "full_attention", "conv", "conv"],
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "num_dense_layers": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "use_expert_bias": True,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
 }
 # Gemma 4: sliding layers (window 4, smaller than a verify block) and full
 # layers with a wider head and partial proportional RoPE; soft-capped logits.

@@ -1,8 +1,8 @@
-"""LFM2 targets (mlx-lm's ``lfm2``; docs/targets.md, "LFM2"): short-convolution
-layers beside attention, run through the short-convolution layer kind; exact
+"""LFM2 targets (mlx-lm's ``lfm2`` and ``lfm2_moe``; docs/targets.md, "LFM2"):
+short-convolution layers beside attention, run through the short-convolution layer kind; exact
 rollback at every kept length, lossless against mlx-lm's greedy output at every
 acceptance length, with a DFlash draft and with a DSpark draft in LiquidAI's
-packaging on its own kind of target. The target is a tiny lfm2 checkpoint
+packaging on its own kind of target. Each target is a tiny checkpoint
 saved by mlx-lm's writers (``checkpoints.py``) and loaded as a user's is, by
 ``dflash_mlx.load``."""
 
@@ -25,14 +25,24 @@ from dflash_mlx.targets.short_conv import SHORT_CONV
 # interleaved RoPE (LiquidAI's): the draft's KV injection runs layer by layer, and says so once
 pytestmark = pytest.mark.filterwarnings("ignore:dflash-mlx. KV injection runs layer by layer")
 
+FAMILIES = ["lfm2", "lfm2_moe"]
 PROMPT = "write a short story about a cat who"
 BLOCK = 8  # the verify block of the rollback tests
 
 
 @pytest.fixture(scope="module")
-def lfm2(target_dirs, draft_dir):
-    model, tokenizer = load(str(target_dirs["lfm2"]))
-    return model, tokenizer, load_draft(str(draft_dir("lfm2", block_size=16)))
+def loaded(target_dirs, draft_dir):
+    """family -> (model, tokenizer, DFlash draft)."""
+    out = {}
+    for family in FAMILIES:
+        model, tokenizer = load(str(target_dirs[family]))
+        out[family] = (model, tokenizer, load_draft(str(draft_dir(family, block_size=16))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lfm2(loaded):
+    return loaded["lfm2"]
 
 
 @pytest.fixture(scope="module")
@@ -46,28 +56,31 @@ def liquid(tmp_path_factory, target_dirs, lfm2):
     return root / "liquid"
 
 
-def test_its_layers_are_short_convolutions_and_attention(lfm2):
-    model = lfm2[0]
+def test_its_layers_are_short_convolutions_and_attention(loaded):
+    model = loaded["lfm2"][0]
     target = Target(model)
     assert target.kinds == [SHORT_CONV, SHORT_CONV, Attention("full_attention"), SHORT_CONV,
                             Attention("full_attention"), SHORT_CONV]
+    assert Target(loaded["lfm2_moe"][0]).kinds == [SHORT_CONV, Attention("full_attention"), SHORT_CONV, SHORT_CONV]
     assert target.final_norm is model.model.embedding_norm  # lfm2's name for its final norm
     hidden = mx.random.normal((1, 3, target.hidden_size))
     assert mx.array_equal(target.logits(hidden), model.model.embed_tokens.as_linear(hidden)).item()  # tied
 
 
-def test_recording_forward_matches_the_plain_forward(lfm2):
-    model, tokenizer, _ = lfm2
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recording_forward_matches_the_plain_forward(loaded, family):
+    model, tokenizer, _ = loaded[family]
     check_recording_forward_matches_the_plain_forward(model, tokenizer)
 
 
-def test_rollback_to_every_kept_length_is_feeding_the_kept_tokens_alone(lfm2):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rollback_to_every_kept_length_is_feeding_the_kept_tokens_alone(loaded, family):
     """After a recorded pass over a block of 8, rolling back to keep = 1..8 leaves
     every conv window and K/V cache as feeding only the first ``keep`` tokens
     does: the same offsets and shapes, and values equal up to the matmuls'
     rounding over another number of rows (the right-padded test below is
     bit-exact); a window one row off is told apart."""
-    model, tokenizer, _ = lfm2
+    model, tokenizer, _ = loaded[family]
     target = Target(model)
     prompt = mx.array(tokenizer.encode("the quick brown fox jumps"))[None]
     block = mx.array(tokenizer.encode(" over the lazy dog hello world what is", add_special_tokens=False)[:BLOCK])
@@ -90,19 +103,21 @@ def test_rollback_to_every_kept_length_is_feeding_the_kept_tokens_alone(lfm2):
                     assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item(), i
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("block_size", [5, 9])
-def test_rollback_at_every_acceptance_length(lfm2, block_size):
+def test_rollback_at_every_acceptance_length(loaded, family, block_size):
     """An oracle proposer accepts 0..block_size - 1 drafts and the full block in
     turn: the output is mlx-lm's greedy continuation, and after each cycle every
     cache is bit-identical to one fed the same block with only the accepted
     tokens kept (mlx-lm's right padding, which its ShortConv honours)."""
-    model, tokenizer, _ = lfm2
+    model, tokenizer, _ = loaded[family]
     check_rollback_at_every_acceptance_length(model, tokenizer, block_size)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_greedy_output_is_mlx_lm_greedy_output(lfm2, block_size):
-    model, tokenizer, draft = lfm2
+def test_greedy_output_is_mlx_lm_greedy_output(loaded, family, block_size):
+    model, tokenizer, draft = loaded[family]
     ids = tokenizer.encode(PROMPT)
     want = greedy_reference(model, ids, 48)
     res = generate(model, draft, tokenizer, PROMPT, max_tokens=48, block_size=block_size)

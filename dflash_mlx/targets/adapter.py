@@ -32,9 +32,10 @@ from .layer_kinds import layer_kinds
 from .verify_matmuls import VerificationMatmuls, quantized_matmul
 
 SUPPORTED_MODEL_TYPES = (
-    "llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_next", "gemma4", "gemma4_text", "lfm2",
+    "llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_next", "gemma4", "gemma4_text",
+    "lfm2", "lfm2_moe",
 )
-FINAL_NORMS = {"lfm2": "embedding_norm"}  # model type -> its final norm's name where it is not ``norm``
+FINAL_NORMS = {"lfm2": "embedding_norm", "lfm2_moe": "embedding_norm"}  # model type -> final norm, where not ``norm``
 
 
 @dataclass(frozen=True)
