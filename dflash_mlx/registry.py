@@ -61,9 +61,10 @@ KNOWN_PAIRS: dict[str, Draft] = {
 # them; one is a target's default draft only where the target has none above
 # (Qwen3-14B), else it runs with --draft. The block is the trained gamma. Their
 # training chat mode is not published. Other published DSpark drafts are left
-# out: Gemma 4's packaging is not read yet, LFM2 targets do not run, Red Hat's
-# Qwen3.6-35B-A3B draft lacks num_target_layers in its config.json, and the
-# community Qwen3.6-27B draft's packaging is not documented.
+# out: Gemma 4's packaging is not read yet; LiquidAI's LFM2.5 drafts load and
+# their lfm2 targets run, but the targets' hub ids and the drafts' sizes are not
+# confirmed here; Red Hat's Qwen3.6-35B-A3B draft lacks num_target_layers in its
+# config.json; and the community Qwen3.6-27B draft's packaging is not documented.
 DSPARK_DRAFTS: dict[str, Draft] = {
     "Qwen/Qwen3-4B": Draft("deepseek-ai/dspark_qwen3_4b_block7", None, "qwen3", 4.0, 7),
     "Qwen/Qwen3-8B": Draft("deepseek-ai/dspark_qwen3_8b_block7", None, "qwen3", 8.2, 7),

@@ -6,8 +6,8 @@ follow the float64 DSpark equations in that layout (and not with the layout's
 difference undone), and stay token-identical to mlx-lm's greedy output.
 
 The fixtures are tiny DeepSpec drafts (test_dspark.py's) rewritten into each
-packaging's on-disk layout, for supported targets of the same shapes (LiquidAI's
-drafts are made for LFM2 targets, which the target adapter does not run yet)."""
+packaging's on-disk layout, for targets of the same shapes (LiquidAI's drafts
+are made for LFM2 targets: tests/test_lfm2.py runs the layout on one)."""
 
 import json
 
