@@ -45,6 +45,8 @@ DRAFT_DTYPE_HELP = ("Dtype the draft computes in: auto (float32 on M1/M2, which 
 KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the target's attention KV cache to 4 or 8 bits (also 2, 3, 5, 6) once it holds --quantized-kv-start tokens, as mlx-lm's --kv-bits does: the output equals mlx-lm's with the same KV options. Default: full precision.")
 KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", help="--kv-bits: elements per quantization group (32, 64 or 128).")
 QUANTIZED_KV_START = typer.Option(5000, "--quantized-kv-start", help="--kv-bits: tokens of context before the cache is quantized (mlx-lm's default).")
+SCHEDULE_HELP = ("on or off: under --block-size auto a DSpark draft with a confidence head verifies only the drafts "
+                 "its confidences say pay (on, the default) or every draft of auto's block (off). docs/dspark.md.")
 THINKING_HELP = ("Pass enable_thinking=True/False to the chat template. Default: the registry's "
                  "choice for the pair (what its draft was trained on), else the template's own.")
 
@@ -109,26 +111,17 @@ def _read_prompt(prompt: str) -> str:
 def generate(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Target: hub repo id or local mlx-lm directory. Default: the bundled demo pair (offline)."),
-    draft: Optional[str] = typer.Option(
-        None, "--draft", "-d", help="DFlash draft: hub repo id or local directory. Default: from the registry (see `dflash-mlx models`)."
-    ),
+    draft: Optional[str] = typer.Option(None, "--draft", "-d", help="DFlash draft: hub repo id or local directory. Default: from the registry (see `dflash-mlx models`)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text, or '-' to read it from stdin."),
     image: Optional[list[str]] = typer.Option(None, "--image", help="Image file or URL for the prompt; repeatable (docs/vision.md)."),
-    max_tokens: Optional[int] = typer.Option(
-        None, "--max-tokens", "-n", show_default=False,
-        help=f"Stop after this many generated tokens. Default: {MAX_TOKENS} ({DEMO_MAX_TOKENS} for the demo pair).",
-    ),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", show_default=False, help=f"Stop after this many generated tokens. Default: {MAX_TOKENS} ({DEMO_MAX_TOKENS} for the demo pair)."),
     stop: Optional[list[str]] = typer.Option(
         None, "--stop", show_default=False,
         help="Stop where the output reaches this text (not printed); repeatable. Default: none (for the demo "
              "pair, where its first top-level block of code ends: two blank lines, or a blank line before a "
              "top-level def, class, decorator or if).",
     ),
-    block_size: str = typer.Option(
-        "auto", "--block-size", "-b",
-        help="Tokens per draft block: auto (chosen each cycle from this machine's measured costs and the "
-             "acceptance so far, up to the trained size) or 2 to twice the draft's trained size (above it: a warning).",
-    ),
+    block_size: str = typer.Option("auto", "--block-size", "-b", help="Tokens per draft block: auto (chosen each cycle from this machine's measured costs and the acceptance so far, up to the trained size) or 2 to twice the draft's trained size (above it: a warning)."),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", help="Feed the prompt as is."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
@@ -138,17 +131,10 @@ def generate(
     top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p times the top probability (0 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed in [0, 2^64); the same seed gives the same tokens."),
-    repetition_penalty: Optional[float] = typer.Option(
-        None, "--repetition-penalty", help="mlx-lm's repetition penalty (> 0, e.g. 1.1), applied exactly."
-    ),
-    tree_budget: int = typer.Option(
-        0, "--tree-budget", help="Verify a DDTree of up to this many drafted tokens per cycle instead of one "
-                                 "chain (lossless at any temperature; 0 = the chain).",
-    ),
-    draft_vocab: Optional[int] = typer.Option(
-        None, "--draft-vocab", help="Draft over the N most frequent token ids only (the ranking beside the draft, "
-                                    "made by `dflash-mlx draft-vocab`): a cheaper draft head, still lossless.",
-    ),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="mlx-lm's repetition penalty (> 0, e.g. 1.1), applied exactly."),
+    tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of up to this many drafted tokens per cycle instead of one chain (lossless at any temperature; 0 = the chain)."),
+    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Draft over the N most frequent token ids only (the ranking beside the draft, made by `dflash-mlx draft-vocab`): a cheaper draft head, still lossless."),
+    confidence_schedule: Optional[str] = typer.Option(None, "--confidence-schedule", help=SCHEDULE_HELP, show_default=False),
     show_drafts: Optional[bool] = typer.Option(
         None, "--show-drafts/--no-show-drafts", show_default=False,
         help="On a terminal, color the text of accepted drafts (green) apart from the target's own token of "
@@ -173,11 +159,12 @@ def generate(
                    draft_vocab=draft_vocab, kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     try:
         from . import validate
-        from .draft import DraftConfig
+        from .draft import draft_classes
         from .precision import choose_draft_dtype
         from .registry import read_config, resolve_pair
 
         validate.options(options, {**GENERATE_FLAGS, **validate.KV_FLAGS})
+        schedule = None if confidence_schedule is None else validate.switch(confidence_schedule, "--confidence-schedule")
         validate.kv_options(kv_bits, kv_group_size, quantized_kv_start, _given(ctx))
         choose_draft_dtype({}, draft_dtype)  # a bad value fails before any model loads
         tree_budget = validate.tree_budget(tree_budget, None, "--tree-budget")
@@ -194,12 +181,18 @@ def generate(
         if pair.demo:
             _note("no --model given: using the bundled demo pair (a tiny Qwen3.5-hybrid Python code "
                   "model and its trained draft, offline); pass --model for a real model")
-        trained = DraftConfig.from_dict(read_config(pair.draft, "draft")).block_size
+        raw = read_config(pair.draft, "draft")
+        config = draft_classes(raw)[1].from_dict(raw)
+        trained = config.block_size
         if tree_budget:
             config = read_config(pair.target, "target")
             context = (config.get("text_config") or config).get("max_position_embeddings")
             validate.tree_budget(tree_budget, context, "--tree-budget")
         validate.block_size(block_size, trained, "--block-size", warn=lambda m: _note(f"warning: {m}"))
+        if schedule is not None:  # typed: refused where no schedule would run
+            options["confidence_schedule"] = validate.confidence_schedule(
+                schedule, getattr(config, "enable_confidence_head", False), block_size, tree_budget, True,
+                "--confidence-schedule")
         chat = None
         if not no_chat_template:
             chat = dict(system=system, enable_thinking=pair.enable_thinking if thinking is None else thinking)
@@ -408,6 +401,7 @@ def bench(
     tau: Optional[float] = typer.Option(None, "--tau", help="--predict: the acceptance length tau at the first --block-size (others extrapolated)."),
     tree_tau: Optional[float] = typer.Option(None, "--tree-tau", help="--predict: tokens per cycle expected of every --tree-budget arm. Default: measured in --results for that budget and block, else the chain's tau at the tree's block (no gain assumed; the 'tie tau' column says what the tree must reach)."),
     draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Every DFlash arm drafts over the N most frequent ids (the ranking beside the draft; see `dflash-mlx draft-vocab`)."),
+    confidence_schedule: Optional[list[str]] = typer.Option(None, "--confidence-schedule", help="on, off or on,off: run the auto arm of a DSpark draft with a confidence head with its confidence schedule, without it (every draft of auto's block verified), or both as two arms. Default: on."),
     results: Optional[str] = typer.Option(None, "--results", help="--predict: take tau (and the pair) from a bench --json report."),
     preset: Optional[str] = typer.Option(None, "--preset", help="--predict: a published model instead of --model/--draft (qwen3.5-4b, qwen3.5-9b, qwen3.5-27b-4bit, qwen3.5-35b-a3b-4bit)."),
     chip: Optional[list[str]] = typer.Option(None, "--chip", help="--predict: only these chips (e.g. 'M5 Max'); default: all."),

@@ -201,6 +201,7 @@ def stream_generate(
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     response_format: Optional[dict] = None,
     images: Optional[list] = None,
+    confidence_schedule: bool = True,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per verify cycle.
 
@@ -227,7 +228,10 @@ def stream_generate(
     watched for drift as the default is); None is the trained size. The block never changes
     the output's distribution; each response reports the block it used. Under "auto", a
     DSpark draft with a confidence head verifies only the drafts its confidences and the
-    curve say pay (``loop.block_policy.ConfidenceSchedule``, docs/dspark.md).
+    curve say pay (``loop.block_policy.ConfidenceSchedule``, docs/dspark.md);
+    ``confidence_schedule=False`` turns that off (auto's block, every draft of it
+    verified), and is an error where no schedule would run (a fixed block, a
+    tree, a draft without a confidence head).
     ``context`` continues from caches that already hold a proper prefix of the
     prompt (only the rest is prefilled) and is left holding every fed token.
     ``tree_budget`` B >= 1 verifies a DDTree of up to B drafted nodes per cycle
@@ -261,6 +265,8 @@ def stream_generate(
     trained = draft.config.block_size
     block_size = trained if block_size is None else validate.block_size(block_size, trained)
     tree_budget = validate.tree_budget(tree_budget, getattr(target.args, "max_position_embeddings", None))
+    confidence_schedule = validate.confidence_schedule(confidence_schedule, schedules(draft), block_size,
+                                                       tree_budget, confidence_schedule is False)
     kv = None
     if kv_bits is not None:
         kv = KVQuantization(kv_bits, kv_group_size, quantized_kv_start)
@@ -301,9 +307,8 @@ def stream_generate(
     else:
         if block_size == validate.AUTO:
             policy = auto_policy(plain, draft, cost_curve)
-            scheduled = getattr(proposer, "schedule_by", None)  # a DSpark draft verifies what pays, by c_k
-            if scheduled:
-                scheduled(policy.costs)
+            if confidence_schedule and schedules(draft):  # a DSpark draft verifies what pays, by c_k
+                proposer.schedule_by(policy.costs)
         else:
             policy = FixedBlock(block_size)
         decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, policy,
@@ -364,6 +369,12 @@ def ending(finish: str, sampler: BlockSampler) -> tuple[str, Optional[str]]:
     constraint = sampler.constraint
     error = constraint.verdict() if finish == "stop" and constraint is not None else None
     return ("error", error) if error else (finish, None)
+
+
+def schedules(draft: DFlashDraft) -> bool:
+    """Whether ``block_size="auto"`` verifies the draft's blocks by a confidence
+    schedule: a DSpark draft with a confidence head."""
+    return getattr(draft, "confidence_head", None) is not None
 
 
 def auto_policy(target: Target, draft: DFlashDraft,

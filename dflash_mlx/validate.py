@@ -133,6 +133,32 @@ def block_option(text: str, name: str = "--block-size") -> Union[int, str]:
     return value
 
 
+SWITCH = {"on": True, "off": False}  # the command line's spelling of a switch such as --confidence-schedule
+
+
+def switch(text: str, name: str) -> bool:
+    """A command-line on/off value."""
+    if text.strip().lower() not in SWITCH:
+        raise DFlashError(f"Invalid value for '{name}': '{text}' is not on or off")
+    return SWITCH[text.strip().lower()]
+
+
+def confidence_schedule(value, scheduled: bool, block_size, tree_budget, given: bool,
+                        name: str = "confidence_schedule") -> bool:
+    """``value`` (a bool), refused where ``given`` (False in Python, typed on the
+    command line) but no confidence schedule would run: that needs block size
+    auto, the chain (no tree budget) and a draft that is ``scheduled`` (DSpark,
+    with a confidence head; docs/dspark.md)."""
+    if not isinstance(value, bool):
+        raise DFlashError(f"{name} must be True or False, got {value!r}")
+    if given and (block_size != AUTO or tree_budget or not scheduled):
+        why = ("the draft has no confidence head (a DSpark draft's)" if not scheduled else
+               "a tree verifies every node" if tree_budget else "a fixed block verifies every draft")
+        raise DFlashError(f"{name} does nothing here: {why}; the confidence schedule runs only under "
+                          f"block size '{AUTO}' on the chain; leave it out")
+    return value
+
+
 def block_size(value, trained: int, name: str = "block_size",
                warn: Optional[Callable[[str], None]] = None) -> Union[int, str]:
     """``"auto"``, or an integer from 2 to ``BLOCK_CAP_FACTOR`` times the draft's trained block size.

@@ -58,7 +58,7 @@ _KV = {"--kv-bits", "--kv-group-size", "--quantized-kv-start"}
 USES = {
     "a measured bench run": _PAIR | _PROMPTS | _KV | {"--temp", "--top-p", "--top-k", "--min-p", "--seed",
                                                       "--tree-budget", "--plot", "--draft-vocab", "--context",
-                                                      "--distributed"},
+                                                      "--distributed", "--confidence-schedule"},
     "bench --concurrency": _PAIR | _PROMPTS | {"--concurrency"},
     "bench --calibrate": _PAIR | {"--calibrate", "--dtype", "--draft-dtype"},
     "bench --synthetic": {"--synthetic", "--block-size", "--max-tokens", "--context"},
@@ -112,6 +112,11 @@ def parse_concurrency(values: Optional[list[str]]) -> list[int]:
     return _listed(values, parse_width, "--concurrency")
 
 
+def parse_schedules(values: Optional[list[str]]) -> list[bool]:
+    """``--confidence-schedule``: on and/or off (the auto arm with and without the schedule)."""
+    return _listed(values, lambda part: validate.switch(part, "--confidence-schedule"), "--confidence-schedule")
+
+
 def parse_tree_budgets(values: Optional[list[str]]) -> list[int]:
     """``--tree-budget``: integers >= 1, or 0 for the chain (which every run has)."""
     return _listed(values, _budget, "--tree-budget")
@@ -128,7 +133,8 @@ def main(*, given: set[str], model: Optional[str], draft: Optional[str], prompts
          draft_vocab: Optional[int] = None, draft_dtype: str = "auto", kv_bits: Optional[int] = None,
          kv_group_size: int = 64, quantized_kv_start: int = 5000, distributed: Optional[str] = None,
          machines: int = 1, link: str = "tb5", link_latency_us: Optional[float] = None,
-         link_gbs: Optional[float] = None, concurrency: Optional[list[str]] = None) -> None:
+         link_gbs: Optional[float] = None, concurrency: Optional[list[str]] = None,
+         confidence_schedule: Optional[list[str]] = None) -> None:
     """Everything ``dflash-mlx bench`` does, from its options as typed (``given``:
     those typed on the command line; one the chosen mode would ignore is refused)."""
     validate.needs(given, ["--link", "--link-latency-us", "--link-gbs"], "--machines", machines != 1)
@@ -137,6 +143,7 @@ def main(*, given: set[str], model: Optional[str], draft: Optional[str], prompts
     sizes = parse_block_sizes(block_size)
     budgets = parse_tree_budgets(tree_budget)
     contexts = parse_contexts(context)
+    schedules = parse_schedules(confidence_schedule)
     kv = validate.kv_options(kv_bits, kv_group_size, quantized_kv_start)
     if kv and (calibrate or synthetic or distributed):
         raise DFlashError("--kv-bits applies to a measured run or --predict, not --calibrate, --synthetic "
@@ -236,7 +243,8 @@ def main(*, given: set[str], model: Optional[str], draft: Optional[str], prompts
                  tree_budgets=budgets, sampling=sampling, repeat=repeat, limit=limit,
                  categories=category, dtype=dtype, chat_template=not no_chat_template,
                  enable_thinking=thinking, warmup=warmup, json_out=json_out, plot_out=plot_out,
-                 draft_vocab=draft_vocab, draft_dtype=draft_dtype, contexts=contexts, kv=kv, launch=launch)
+                 draft_vocab=draft_vocab, draft_dtype=draft_dtype, contexts=contexts, kv=kv, launch=launch,
+                 schedules=schedules)
 
 
 def draft_architecture(config: dict) -> str:
@@ -250,7 +258,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
              chat_template: bool, enable_thinking: Optional[bool], warmup: bool,
              json_out: Optional[str], plot_out: Optional[str], draft_vocab: Optional[int] = None,
              draft_dtype: str = "auto", contexts: Optional[list[int]] = None, kv: Optional[dict] = None,
-             launch=None, err=None, out=None) -> dict:
+             launch=None, err=None, out=None, schedules: Optional[list[bool]] = None) -> dict:
     """The measured benchmark: prompts and pair resolved, block sizes checked
     against the draft's config and tree budgets against the target's context
     length before the models load; the tables, then the JSON report and the
@@ -261,22 +269,30 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
     of these token lengths (``long_context.py``), each that fits the target,
     and the per-context table; ``kv``: both sides quantize the KV cache.
     ``launch``: this rank of a distributed launch (``distributed.Launch``):
-    the target is sharded, every rank runs every arm, only rank 0 prints and writes."""
+    the target is sharded, every rank runs every arm, only rank 0 prints and writes.
+    ``schedules``: the auto arm with the confidence schedule on and/or off
+    (refused unless the draft has one and auto is among the block sizes);
+    default: on where the draft has one, and the report's arms say so."""
     err = err or console(stderr=True)
     out = out or console()
     chosen = None if contexts else select_prompts(prompts, categories, limit)
     pair = resolve_pair(model, draft)
     draft_config = read_config(pair.draft, "draft")
-    trained = draft_classes(draft_config)[1].from_dict(draft_config).block_size
+    parsed = draft_classes(draft_config)[1].from_dict(draft_config)
+    trained, scheduled = parsed.block_size, getattr(parsed, "enable_confidence_head", False)
     warn = lambda message: err.print(f"warning: {message}", markup=False, highlight=False)  # noqa: E731
     block_sizes = [validate.block_size(b, trained, "--block-size", warn) for b in block_sizes or [validate.AUTO]]
+    if schedules:
+        validate.confidence_schedule(True, scheduled, validate.AUTO if validate.AUTO in block_sizes else block_sizes[0],
+                                     None, True, "--confidence-schedule")
+    schedules = (schedules or [True]) if scheduled and validate.AUTO in block_sizes else None
     tree_block = None
     if tree_budgets:
         tree_block = next((b for b in block_sizes if b != validate.AUTO), trained)
         context = context_length(read_config(pair.target, "target"))
         for budget in tree_budgets:
             validate.tree_budget(budget, context, "--tree-budget")
-    dflash_arms = arms(block_sizes, tree_budgets, tree_block)
+    dflash_arms = arms(block_sizes, tree_budgets, tree_block, schedules)
     if contexts:
         contexts = fitting(contexts, max_tokens, context_length(read_config(pair.target, "target")), warn)
     thinking = pair.enable_thinking if enable_thinking is None else enable_thinking
@@ -300,6 +316,7 @@ def main_run(*, model: Optional[str], draft: Optional[str], prompts: str, max_to
                            runners=sharded_runners(launch) if launch else None)
     config = {"model": pair.target, "draft": pair.draft, "max_tokens": max_tokens,
               "block_sizes": block_sizes, "tree_budgets": tree_budgets, "tree_block_size": tree_block,
+              "confidence_schedules": schedules,
               "repeat": repeat, **sampling, "dtype": "checkpoint" if dtype == "keep" else dtype,
               "chat_template": chat_template, "enable_thinking": thinking, "prompts": prompts,
               "categories": categories, "limit": limit, "warmup": warmup,

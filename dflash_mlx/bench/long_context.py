@@ -122,13 +122,13 @@ def context_summary(runs: list[dict], pairs: list[dict], arms: list[Arm], length
         base = [r for r in runs if r["arm"] == BASELINE and r["category"] == name]
         for arm in arms:
             mine = [r for r in runs if r["arm"] == DFLASH and r["category"] == name
-                    and Arm(r["block_size"], r.get("tree_budget")) == arm]
-            ps = [p for p in pairs if p["category"] == name and Arm(p["block_size"], p.get("tree_budget")) == arm]
+                    and Arm.of(r) == arm]
+            ps = [p for p in pairs if p["category"] == name and Arm.of(p) == arm]
             identical = [p["identical"] for p in ps if p.get("identical") is not None]
             speedup = stats(p["speedup"] for p in ps) or {}
             rows.append({"context": name, "context_tokens": n, "arm": arm.key, "label": arm.label, "prompts": len(ps),
                          "speedup": speedup.get("median"), "speedup_interval": speedup.get("median_interval"),
-                         "tau": acceptance(mine, *arm)["tau"] if mine else None,
+                         "tau": acceptance(mine, arm.block_size, arm.tree_budget)["tau"] if mine else None,
                          "identical": sum(identical) if identical else None,
                          "baseline": _side(base), "dflash": _side(mine)})
     return rows

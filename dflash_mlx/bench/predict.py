@@ -93,7 +93,7 @@ def _print(out, rows: list[dict], arms: list[Arm], tp, dp, names: tuple[str, str
     out.print("speedup: roofline with memory and compute overlapped (optimistic); no-overlap: their sum "
               "(pessimistic)." + (" *: the best arm for the chip." if len(arms) > 1 else ""))
     for arm in trees:
-        r = next(r for r in rows if (r["block_size"], r["tree_budget"]) == arm)
+        r = next(r for r in rows if (r["block_size"], r["tree_budget"]) == arm[:2])
         out.print(f"{arm.label}: a DDTree of {arm.tree_budget} nodes, verified in one target pass over "
                   f"{arm.tree_budget + 1} positions after the draft's pass at b={arm.block_size}; "
                   f"tau {r['tau']:.2f}, {r['tau_source']}.")

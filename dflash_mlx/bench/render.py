@@ -23,9 +23,10 @@ def _f(x, fmt="{:.1f}", none="-") -> str:
 
 
 def labelled(report: dict) -> list[tuple[str, dict]]:
-    """(label, summary) of each DFlash arm: ``b=16``, ``B=32 b=16`` (a tree);
-    reports from before tree arms name each side by its block size alone."""
-    return [(Arm(side.get("block_size", key), side.get("tree_budget")).label, side)
+    """(label, summary) of each DFlash arm: ``b=16``, ``B=32 b=16`` (a tree),
+    ``b=auto sched`` (the confidence schedule on); reports from before tree
+    arms name each side by its block size alone."""
+    return [(Arm(side.get("block_size", key), side.get("tree_budget"), side.get("confidence_schedule")).label, side)
             for key, side in report["summary"]["dflash"].items()]
 
 
@@ -94,9 +95,9 @@ def render(report: dict, console) -> None:
     for b, side in sides:
         hist = side["accepted_histogram"]
         console.print(f"accepted drafts per cycle, {b} (a = 0..{len(hist) - 1}): {hist}")
-        if b == Arm(validate.AUTO).label:
+        if b.startswith(Arm(validate.AUTO).label):
             blocks = " ".join(f"{k}x{n}" for k, n in side["block_histogram"].items())
-            console.print(f"blocks used per cycle, b=auto (block x cycles): {blocks}")
+            console.print(f"blocks used per cycle, {b} (block x cycles): {blocks}")
 
     for b, side in sides:
         for d in side["divergences"][:10]:

@@ -124,7 +124,7 @@ def validate_report(report: dict) -> None:
     for i, pair in enumerate(report["pairs"]):
         need(pair, "pair", f"pairs[{i}]")
     need(report["summary"].get("baseline"), "side", "summary.baseline")
-    for arm in arms(cfg["block_sizes"], budgets, tree_block):
+    for arm in arms(cfg["block_sizes"], budgets, tree_block, cfg.get("confidence_schedules")):
         side = report["summary"].get("dflash", {}).get(arm.key)
         need(side, "side", f"summary.dflash.{arm.key}")
         need(side, "dflash_side", f"summary.dflash.{arm.key}")

@@ -89,13 +89,15 @@ def run_baseline(model, tokenizer, ids: list[int], max_tokens: int, sampling: di
 
 def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_size: int,
                sampling: dict, tree_budget: Optional[int] = None, draft_vocab: Optional[int] = None,
-               kv: Optional[dict] = None, stream: Optional[Callable] = None, cost_curve=None) -> dict:
+               kv: Optional[dict] = None, stream: Optional[Callable] = None, cost_curve=None,
+               confidence_schedule: Optional[bool] = None) -> dict:
     """DFlash ``stream_generate`` (a DDTree of ``tree_budget`` nodes per cycle
     if given, else the chain; drafting over ``draft_vocab`` ids if given); adds
     the per-cycle accepted draft counts. ``stream`` replaces ``stream_generate``
     (a rank of a distributed launch: ``distributed.Launch.stream_generate``).
     ``cost_curve``: ``auto``'s, never measured again (None: the pair's
-    cached one, measured again once cycles drift from it)."""
+    cached one, measured again once cycles drift from it). ``confidence_schedule``:
+    ``stream_generate``'s (None: its default)."""
     from ..generate import stream_generate
 
     fresh()
@@ -103,7 +105,8 @@ def run_dflash(model, draft, tokenizer, ids: list[int], max_tokens: int, block_s
         model, draft, tokenizer, ids, block_size=block_size, max_tokens=max_tokens,
         temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=sampling["top_k"],
         min_p=sampling["min_p"], seed=sampling.get("seed"), tree_budget=tree_budget,
-        draft_vocab=draft_vocab, cost_curve=cost_curve, **(kv or {})))
+        draft_vocab=draft_vocab, cost_curve=cost_curve, **(kv or {}),
+        **({} if confidence_schedule is None else {"confidence_schedule": confidence_schedule})))
     tokens = [t for r in responses for t in r.tokens]
     last = responses[-1] if responses else None
     rec = _record(len(ids), tokens, last.finish_reason if last else None, first, total, last)
@@ -167,8 +170,9 @@ def run_bench(
         ids = encoded[step.prompt]
         if step.arm == BASELINE:
             return runners[BASELINE](model, tokenizer, ids, tokens, sampling, **quantized)
+        schedule = {} if step.confidence_schedule is None else {"confidence_schedule": step.confidence_schedule}
         return runners[DFLASH](model, draft, tokenizer, ids, tokens, step.block_size, sampling,
-                               tree_budget=step.tree_budget, draft_vocab=draft_vocab, **quantized, **curve)
+                               tree_budget=step.tree_budget, draft_vocab=draft_vocab, **quantized, **curve, **schedule)
 
     if warmup_tokens > 0:  # untimed: weights paged in, kernels and buffers allocated
         for step in schedule(1, 1, arms):
@@ -183,7 +187,7 @@ def run_bench(
         rec = call(step, max_tokens)
         runs.append({"step": i, "prompt_id": p["id"], "category": p["category"],
                      "repeat": step.repeat, "arm": step.arm, "block_size": step.block_size,
-                     "tree_budget": step.tree_budget, **rec})
+                     "tree_budget": step.tree_budget, "confidence_schedule": step.confidence_schedule, **rec})
     pairs = make_pairs(runs, compare=sampling["temperature"] == 0)
     return {
         "prompts": [{**{k: v for k, v in p.items() if k != "ids"}, "prompt_tokens": len(ids)}

@@ -98,6 +98,7 @@ def make_pairs(runs: list[dict], compare: bool) -> list[dict]:
         pair = {
             "prompt_id": r["prompt_id"], "category": r["category"], "repeat": r["repeat"],
             "block_size": r["block_size"], "tree_budget": r.get("tree_budget"),
+            "confidence_schedule": r.get("confidence_schedule"),
             "baseline_step": b["step"], "dflash_step": r["step"],
             "speedup": (r["decode_tps"] / b["decode_tps"]
                         if r["decode_tps"] and b["decode_tps"] else None),
@@ -131,10 +132,10 @@ def summarize(runs: list[dict], pairs: list[dict], arms: list[Arm]) -> dict:
     baseline = [r for r in runs if r["arm"] == BASELINE]
     out = {"baseline": _side(baseline), "dflash": {}}
     for arm in arms:
-        b, tree = arm
-        mine = [r for r in runs if r["arm"] == DFLASH and Arm(r["block_size"], r.get("tree_budget")) == arm]
-        ps = [p for p in pairs if Arm(p["block_size"], p.get("tree_budget")) == arm]
-        side = {"block_size": b, "tree_budget": tree, **_side(mine)}
+        b, tree = arm.block_size, arm.tree_budget
+        mine = [r for r in runs if r["arm"] == DFLASH and Arm.of(r) == arm]
+        ps = [p for p in pairs if Arm.of(p) == arm]
+        side = {"block_size": b, "tree_budget": tree, "confidence_schedule": arm.confidence_schedule, **_side(mine)}
         side.update(acceptance(mine, b, tree))
         side["speedup"] = stats(p["speedup"] for p in ps)
         side["wall_speedup"] = stats(p["wall_speedup"] for p in ps)
