@@ -8,6 +8,7 @@ import mlx.core as mx
 from mlx_lm.utils import save_config
 
 from dflash_mlx.atomic import check_output, staged_output
+from dflash_mlx.draft import DSparkConfig
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.loading import DRAFT_FILES, resolve
 
@@ -63,12 +64,16 @@ def convert_draft(
     check_options(bits, group_size, dtype, recipe)
     if recipe is not None:
         bits = 4
+    if quantize_heads and not bits:
+        raise DFlashError("--quantize-heads quantizes a DSpark draft's heads with the rest of it; give -q or --q-bits too")
     out = Path(out).expanduser()
     check_output(out, force)
     path = resolve(str(src), "draft", DRAFT_FILES)
     config = read_config(path)
     tensors = open_tensors(path, config)
     validate(config, tensors)
+    if quantize_heads and not (isinstance(config, DSparkConfig) and (config.markov_rank or config.enable_confidence_head)):
+        raise DFlashError(f"--quantize-heads applies to a DSpark draft's Markov and confidence heads; {path} has none")
 
     modules = plan(config, bits, group_size, recipe, quantize_heads) if bits else {}
     kept = [p for p, q in modules.items() if q is None]

@@ -277,6 +277,7 @@ def convert(
     q_group_size: int = typer.Option(64, "--q-group-size", help="Quantization group size: 32, 64 or 128."),
     recipe: Optional[str] = typer.Option(None, "--recipe", help="Drafts: mixed_4_8 (fc and the last layer at 8 bits, the rest at 4). Targets: an mlx-lm recipe (mixed_3_6, ...)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float16, bfloat16 or float32 for unquantized tensors and scales. Default: keep the source's."),
+    quantize_heads: bool = typer.Option(False, "--quantize-heads", help="DSpark drafts, with -q: quantize the Markov and confidence heads too (else they stay float; docs/dspark.md)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
 ):
     """Convert a z-lab DFlash draft to MLX, optionally 4/8-bit quantized (or a target, with --target)."""
@@ -287,15 +288,16 @@ def convert(
         from dflash_mlx.convert.draft import check_options
         from .validate import needs
 
-        needs(_given(ctx), ["--q-group-size"], "--quantize, --q-bits or --recipe", quantize or q_bits or recipe)
+        needs(_given(ctx), ["--q-group-size", "--quantize-heads"], "--quantize, --q-bits or --recipe", quantize or q_bits or recipe)
+        needs(_given(ctx), ["--quantize-heads"], "a draft SRC (targets have no DSpark heads)", target is None)
         check_options(q_bits, q_group_size, dtype, None if target else recipe)
         if target is not None:
             convert_target(target, out, quantize=quantize, bits=q_bits, group_size=q_group_size,
                            dtype=dtype, recipe=recipe, force=force)
         else:
             bits = q_bits or (4 if quantize or recipe else None)
-            convert_draft(src, out, bits=bits, group_size=q_group_size, dtype=dtype,
-                          recipe=recipe, force=force, log=lambda m: typer.echo(m, err=True))
+            convert_draft(src, out, bits=bits, group_size=q_group_size, dtype=dtype, recipe=recipe,
+                          quantize_heads=quantize_heads, force=force, log=lambda m: typer.echo(m, err=True))
     except DFlashError as e:
         _fail(str(e))
     typer.echo(f"wrote {out}", err=True)

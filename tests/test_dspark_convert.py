@@ -2,7 +2,8 @@
 LiquidAI's, the speculators format) converts to an MLX draft in DeepSpec's
 layout that loads with the same weights and greedy output; 8 and 4 bits
 quantize the backbone and keep the Markov and confidence heads float unless
-asked; the 8-bit draft stays token-identical to mlx-lm's greedy output."""
+asked (``convert --quantize-heads``, refused where it would do nothing); the
+8-bit draft stays token-identical to mlx-lm's greedy output."""
 
 import json
 
@@ -11,9 +12,12 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
+from typer.testing import CliRunner
 
 from dflash_mlx import generate, load_draft
+from dflash_mlx.cli import app
 from dflash_mlx.convert import convert_draft
+from test_cli_ignored import refused
 from test_dspark import greedy_reference, write_dspark_draft
 from test_dspark_packaging import write_liquid, write_speculators
 
@@ -78,3 +82,45 @@ def test_the_heads_quantize_when_asked(tmp_path, sources):
     assert isinstance(draft.markov_head.markov_w2, nn.QuantizedLinear)
     ids = tokenizer.encode("the quick brown fox")
     assert drafted(model, tokenizer, draft) == greedy_reference(model, ids, TOKENS)
+
+
+def test_the_command_line_quantizes_the_heads_when_asked(tmp_path, sources):
+    """``dflash-mlx convert --quantize-heads``: the output's Markov and
+    confidence heads carry quantization scales, and the draft still decodes
+    token-identically to mlx-lm's greedy output."""
+    model, tokenizer, paths = sources
+    out = tmp_path / "q8-heads"
+    done = CliRunner().invoke(app, ["convert", str(paths["deepspec"]), "--out", str(out), "--q-bits", "8",
+                                    "--q-group-size", str(GROUP), "--quantize-heads"])
+    assert done.exit_code == 0, done.output
+    stored = {name for file in out.glob("*.safetensors") for name in mx.load(str(file))}
+    for head in ("markov_head.markov_w1", "markov_head.markov_w2", "confidence_head.proj"):
+        assert f"{head}.scales" in stored, head
+    draft = load_draft(str(out))
+    assert isinstance(draft.markov_head.markov_w2, nn.QuantizedLinear)
+    ids = tokenizer.encode("the quick brown fox")
+    assert drafted(model, tokenizer, draft) == greedy_reference(model, ids, TOKENS)
+
+
+def test_the_heads_stay_float_without_the_flag(tmp_path, sources):
+    _, _, paths = sources
+    out = tmp_path / "q8"
+    done = CliRunner().invoke(app, ["convert", str(paths["deepspec"]), "--out", str(out), "--q-bits", "8",
+                                    "--q-group-size", str(GROUP)])
+    assert done.exit_code == 0, done.output
+    stored = {name for file in out.glob("*.safetensors") for name in mx.load(str(file))}
+    assert "markov_head.markov_w2.weight" in stored and "markov_head.markov_w2.scales" not in stored
+
+
+@pytest.mark.parametrize("extra, wanted", [
+    ([], "--quantize-heads does nothing without --quantize, --q-bits or --recipe"),
+    (["-q"], "--quantize-heads applies to a DSpark draft's Markov and confidence heads"),
+])
+def test_the_command_line_refuses_quantize_heads_where_there_are_none(tmp_path, draft_dir, extra, wanted):
+    refused(["convert", draft_dir("qwen3"), "--out", tmp_path / "out", "--quantize-heads", *extra], wanted)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_quantize_heads_for_a_target(tmp_path):
+    refused(["convert", "--target", tmp_path / "nowhere", "--out", tmp_path / "out", "-q", "--quantize-heads"],
+            "--quantize-heads does nothing without a draft SRC")
