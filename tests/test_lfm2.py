@@ -10,6 +10,7 @@ import json
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.lfm2 import ShortConv as ShortConvLayer
 from test_dspark import assert_every_acceptance_length, write_dspark_draft
 from test_dspark_packaging import LIQUID_GAMMA, write_liquid
 from test_loop import (
@@ -129,6 +130,23 @@ def test_batch_rows_roll_back_on_their_own(lfm2):
     results = batch_generate(model, draft, tokenizer, prompts, max_tokens=[20, 9, 14], block_size=4)
     for prompt, limit, result in zip(prompts, [20, 9, 14], results):
         assert result.tokens == generate(model, draft, tokenizer, prompt, max_tokens=limit, block_size=4).tokens
+
+
+class LoudShortConv(ShortConvLayer):
+    """mlx-lm's conv layer as a future release might change it: the model's own
+    forward runs this, the adapter's recording copy does not."""
+
+    def __call__(self, *args, **kwargs):
+        return 1.5 * super().__call__(*args, **kwargs)
+
+
+def test_a_changed_conv_layer_stops_generation(target_dirs, draft_dir):
+    """The load-time forward check guards the recording copy of the conv layer."""
+    model, tokenizer = load(str(target_dirs["lfm2"]))  # a fresh instance: checked again
+    model.layers[0].conv.__class__ = LoudShortConv  # this instance only
+    with pytest.raises(DFlashError, match="differs from the model's own") as e:
+        generate(model, load_draft(str(draft_dir("lfm2", block_size=16))), tokenizer, PROMPT, max_tokens=4)
+    assert "\n" not in str(e.value)
 
 
 def test_a_tree_budget_is_refused_in_one_line(lfm2):

@@ -35,7 +35,7 @@ def recording_layer(layer: nn.Module, x: mx.array, mask, cache: ArraysCache):
     if mask is not None or cache.lengths is not None:
         raise NotImplementedError("padded batches are not supported in verification")
     conv = layer.conv
-    gate_in, gate_out, inputs = mx.split(conv.in_proj(layer.operator_norm(x)), 3, axis=-1)
+    gate_in, gate_out, inputs = mx.split(conv.in_proj(layer.operator_norm(x)), 3, axis=-1)  # mlx-lm's B, C, x
     gated = gate_in * inputs
     window = conv.L_cache - 1
     state = cache[0]
