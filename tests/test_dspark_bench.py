@@ -1,13 +1,18 @@
 """``bench`` with a DSpark draft: the auto arm runs with and without its
 confidence schedule (``--confidence-schedule on,off``) and the report names
-which arm had it; the option is refused where no schedule would run."""
+which arm had it; the option is refused where no schedule would run.
+``bench --predict`` prices DeepSeek's DSpark drafts (the ``qwen3-*-dspark``
+presets) with their Markov and confidence heads."""
 
 import json
 
 import pytest
 from typer.testing import CliRunner
 
+from dflash_mlx.bench import cost_model as cm
 from dflash_mlx.bench import report, runs
+from dflash_mlx.bench.chips import find_chips
+from dflash_mlx.bench.presets import PRESETS
 from dflash_mlx.bench.schedule import Arm
 from dflash_mlx.cli import app
 from test_cli_ignored import refused
@@ -92,3 +97,66 @@ def test_bench_refuses_the_switch_for_a_draft_without_a_confidence_head(target_d
 def test_bench_predict_refuses_the_switch():
     refused(["bench", "--predict", "--preset", "qwen3.5-9b", "--confidence-schedule", "off"],
             "leave out --confidence-schedule")
+
+
+# ---------------------------------------------------------------- --predict
+
+DSPARK_PRESETS = ["qwen3-4b-dspark", "qwen3-8b-dspark", "qwen3-14b-dspark"]
+
+
+def without_heads(draft: dict) -> dict:
+    """The same DSpark draft with neither Markov nor confidence head."""
+    return {**draft, "markov_rank": 0, "enable_confidence_head": False, "confidence_head_with_markov": False}
+
+
+@pytest.mark.parametrize("name, published_gb", [("qwen3-4b-dspark", 2.79), ("qwen3-8b-dspark", 4.74),
+                                                ("qwen3-14b-dspark", None)])
+def test_the_dspark_presets_are_deepseeks_drafts(name, published_gb):
+    """The presets' drafts, with the two vocabulary-sized copies the checkpoints
+    carry (dropped on load, so not in the profile), weigh what the hub lists."""
+    target, draft, _, tau = PRESETS[name]
+    dp = cm.draft_profile(draft)
+    H, V = target["hidden_size"], target["vocab_size"]
+    assert dp.architecture == "dspark" and dp.trained_tokens == draft["block_size"] == 7 and tau <= 8
+    assert (dp.markov_rank, dp.markov_rows, dp.confidence_width) == (256, V, H + 256)
+    if published_gb is not None:
+        assert (dp.weight_bytes + 2 * V * H * 2) / 1e9 == pytest.approx(published_gb, abs=0.01)
+
+
+@pytest.mark.parametrize("name", DSPARK_PRESETS)
+def test_a_dspark_draft_is_priced_with_its_heads(name):
+    """Per drafted row: a W1 row gathered, W2 [V, r] read whole and
+    multiplied, U_k read and z_k written; the confidence head's row of H + r
+    once, its dot per row. Without the heads the pass costs exactly that less."""
+    target, draft, _, tau = PRESETS[name]
+    tp, dp, bare = cm.target_profile(target), cm.draft_profile(draft), cm.draft_profile(without_heads(draft))
+    H, V, r, rows = target["hidden_size"], target["vocab_size"], 256, 7
+    full, base = dp.forward(tp, 8, 1024, tau), bare.forward(tp, 8, 1024, tau)
+    assert full.bytes - base.bytes == pytest.approx(rows * (r * 2 + V * r * 2 + 2 * V * 2) + (H + r + 1) * 2)
+    assert full.flops - base.flops == pytest.approx(rows * (2 * V * r + 2 * V + 2 * (H + r)))
+    assert dp.weight_bytes - bare.weight_bytes == pytest.approx((2 * V * r + H + r + 1) * 2)
+    (chip,) = find_chips(["M5 Max"])
+    assert cm.predict(tp, dp, chip, tau, 8).draft_ms > cm.predict(tp, bare, chip, tau, 8).draft_ms
+
+
+def test_a_dspark_drafts_backbone_runs_its_trained_block_at_any_b():
+    target, draft, _, _ = PRESETS["qwen3-8b-dspark"]
+    tp, dp = cm.target_profile(target), cm.draft_profile(draft)
+    # b = 2 verifies one draft: the backbone still runs 7 tokens; one LM head row, one head step
+    narrow, wide = dp.forward(tp, 2, 0, 1.0), dp.forward(tp, 8, 0, 1.0)
+    per_row = tp.head_flops + 2 * 151936 * 256 + 2 * 151936 + 2 * (4096 + 256)
+    assert wide.flops - narrow.flops == pytest.approx(6 * per_row)
+
+
+def test_bench_predict_prices_the_dspark_presets():
+    done = CliRunner().invoke(app, ["bench", "--predict", "--preset", "qwen3-8b-dspark", "--chip", "M5 Max"])
+    assert done.exit_code == 0, done.output
+    assert "DSpark (anchor-first block, Markov and confidence heads)" in done.output
+    assert "rank-256 Markov head" in done.output
+    refused(["bench", "--predict", "--preset", "qwen3-8b-dspark", "-b", "9"],
+            "a DSpark draft drafts at most its trained block of 8")
+
+
+def test_bench_predict_concurrency_refuses_a_dspark_draft():
+    refused(["bench", "--predict", "--preset", "qwen3-8b-dspark", "--concurrency", "2"],
+            "the batch decoder, which does not run DSpark drafts yet")

@@ -15,6 +15,12 @@ a pessimistic bound, their sum (``serial``: no overlap of memory and compute).
   per row (the codebooks are never read whole) and the walk's scoring
   (``DraftProfile.selector``); its conv-wrapped layers are priced like any
   weights (the kernel projections as matmuls, the taps as 2 FLOPs each a token).
+- A DSpark draft's pass runs its backbone over its trained block (gamma
+  tokens, whatever b), the LM head over the b-1 drafted rows, then its heads
+  over those rows one after another (``DraftProfile.heads``): per position the
+  Markov head gathers one W1 row (r weights) and multiplies by W2 [V, r], read
+  whole each step (the sequential steps share no read), and z_k = U_k + W2 W1[x]
+  is read and written over V; the confidence head is one [H + r] dot a row.
 - A DDTree cycle of budget B drafts the same b-token block, then verifies the
   pending token and the B nodes in one target pass over B+1 positions (B+1
   logits rows). Its GatedDeltaNet kernel (``gdn_tree_verify``) steps each
@@ -124,13 +130,31 @@ class DraftProfile:
     attn_flops_per_pos: float
     window: Optional[int] = None  # sliding window of the sliding layers, if all are sliding
     weight_bytes: float = 0.0
-    architecture: str = "v1"  # or "dflash2"
+    architecture: str = "v1"  # or "dflash2", "dspark"
     vocab: int = 0
     selector_top_k: int = 0
     selector_rank: int = 0
     selector_flops: float = 0.0  # per drafted row: hidden_projection
     codebook_row_bytes: float = 0.0  # one row of one codebook, as stored
     logit_bytes: float = 2.0
+    trained_tokens: Optional[int] = None  # a DSpark draft's pass: always its trained block of gamma tokens
+    markov_rank: int = 0
+    markov_rows: int = 0  # W2's rows: the drafting vocabulary
+    markov_w2_bytes: float = 0.0  # W2 [V, r] as stored
+    markov_row_bytes: float = 0.0  # one W1 row as stored
+    confidence_width: int = 0  # H + r (H without the Markov input); 0: no confidence head
+    confidence_bytes: float = 0.0
+
+    def heads(self, rows: int) -> Pass:
+        """A DSpark draft's Markov walk and confidence head over ``rows`` drafted
+        positions, one after another: per position one W1 row gathered, W2 read
+        whole and multiplied (2 V r FLOPs), U_k read and z_k written over V (an
+        add and the argmax's comparison each); one confidence dot of H + r a row."""
+        nbytes = rows * (self.markov_row_bytes + self.markov_w2_bytes + 2 * self.markov_rows * self.logit_bytes)
+        flops = rows * (2.0 * self.markov_rows * self.markov_rank + 2.0 * self.markov_rows)
+        if not self.markov_rank:
+            nbytes = flops = 0.0
+        return Pass(nbytes + self.confidence_bytes, flops + rows * 2.0 * self.confidence_width)
 
     def selector(self, rows: int) -> Pass:
         """The candidate selector over ``rows`` drafted rows: the top-k reads each
@@ -150,12 +174,13 @@ class DraftProfile:
         """One draft pass over ``block`` positions; ``head_share``: the fraction
         of the LM head's rows it multiplies by (a reduced drafting vocabulary)."""
         seen = context if self.window is None else min(context, self.window)
-        selector = self.selector(block - 1)
-        nbytes = (self.layer_bytes + head_share * target.head_bytes + block * target.embed_row_bytes
-                  + self.kv_bytes_per_pos * (seen + inject) + selector.bytes)
-        flops = (block * self.layer_flops + (block - 1) * head_share * target.head_flops
-                 + inject * self.inject_flops + block * self.attn_flops_per_pos * (seen + block)
-                 + selector.flops)
+        selector, heads = self.selector(block - 1), self.heads(block - 1)
+        tokens = self.trained_tokens or block
+        nbytes = (self.layer_bytes + head_share * target.head_bytes + tokens * target.embed_row_bytes
+                  + self.kv_bytes_per_pos * (seen + inject) + selector.bytes + heads.bytes)
+        flops = (tokens * self.layer_flops + (block - 1) * head_share * target.head_flops
+                 + inject * self.inject_flops + tokens * self.attn_flops_per_pos * (seen + tokens)
+                 + selector.flops + heads.flops)
         return Pass(nbytes, flops)
 
 
@@ -279,8 +304,8 @@ def target_profile(config: dict, dtype: Optional[str] = None,
 
 
 def draft_profile(config: dict, dtype: Optional[str] = None) -> DraftProfile:
-    """Costs of a DFlash or DFlash2 draft from its config.json (either dialect)."""
-    from ..draft import SLIDING, DFlash2Config, draft_classes
+    """Costs of a DFlash, DFlash2 or DSpark draft from its config.json."""
+    from ..draft import SLIDING, DFlash2Config, DSparkConfig, draft_classes
 
     network, parse = draft_classes(config)
     cfg = parse.from_dict(config)
@@ -288,8 +313,11 @@ def draft_profile(config: dict, dtype: Optional[str] = None) -> DraftProfile:
     nbytes = _dtype_bytes(config, dtype)
     shapes, quantizable, _ = _lazy_modules(model)
     size = _sizer(config.get("quantization"), nbytes, quantizable)
-    layer_f = inject_f = selector_f = codebook_b = 0.0
+    layer_f = inject_f = selector_f = codebook_b = heads_b = 0.0
     for name, shape in shapes.items():
+        if name.startswith(("markov_head.", "confidence_head.")):  # priced per drafted row: heads()
+            heads_b += size(name, shape)
+            continue
         if name.startswith("candidate_selector."):
             if name.endswith("_codebook.weight"):  # gathered by row, never read whole
                 codebook_b += size(name, shape)
@@ -310,17 +338,26 @@ def draft_profile(config: dict, dtype: Optional[str] = None) -> DraftProfile:
     kv = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers * nbytes
     all_sliding = cfg.layer_types and all(t == SLIDING for t in cfg.layer_types)
     total = sum(size(n, s) for n, s in shapes.items())
-    dflash2 = isinstance(cfg, DFlash2Config)
+    dflash2, dspark = isinstance(cfg, DFlash2Config), isinstance(cfg, DSparkConfig)
+    w1, w2 = "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"
+    confidence = [name for name in shapes if name.startswith("confidence_head.")]
+    heads = dict(
+        trained_tokens=cfg.block_size - 1, markov_rank=cfg.markov_rank,
+        markov_rows=shapes[w2][0] if w2 in shapes else 0,
+        markov_w2_bytes=size(w2, shapes[w2]) if w2 in shapes else 0.0,
+        markov_row_bytes=size(w1, shapes[w1]) / shapes[w1][0] if w1 in shapes else 0.0,
+        confidence_width=shapes["confidence_head.proj.weight"][-1] if confidence else 0,
+        confidence_bytes=sum(size(n, shapes[n]) for n in confidence)) if dspark else {}
     return DraftProfile(
         params=int(sum(math.prod(s) for s in shapes.values())),
-        layer_bytes=total - codebook_b, layer_flops=layer_f, inject_flops=inject_f, kv_bytes_per_pos=kv,
+        layer_bytes=total - codebook_b - heads_b, layer_flops=layer_f, inject_flops=inject_f, kv_bytes_per_pos=kv,
         attn_flops_per_pos=4.0 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers,
         window=int(cfg.sliding_window) if all_sliding else None, weight_bytes=total,
-        architecture="dflash2" if dflash2 else "v1", vocab=cfg.vocab_size,
+        architecture="dflash2" if dflash2 else "dspark" if dspark else "v1", vocab=cfg.vocab_size,
         selector_top_k=cfg.selector_top_k if dflash2 else 0,
         selector_rank=cfg.selector_rank if dflash2 else 0,
         selector_flops=selector_f, codebook_row_bytes=codebook_b / (2 * cfg.vocab_size),
-        logit_bytes=nbytes,
+        logit_bytes=nbytes, **heads,
     )
 
 

@@ -5,7 +5,7 @@ and the DDTree of each ``--tree-budget`` beside it."""
 from typing import Optional
 
 from .. import validate
-from ..draft import DraftConfig
+from ..draft import draft_classes, is_dspark
 from ..errors import DFlashError
 from ..registry import read_config, resolve_pair
 from . import cost_model as cm
@@ -16,7 +16,8 @@ from .render import console
 from .report import read_report, write_json
 from .schedule import Arm
 
-ARCHITECTURES = {"v1": "DFlash (v1)", "dflash2": "DFlash2 (conv-wrapped layers, candidate selector)"}
+ARCHITECTURES = {"v1": "DFlash (v1)", "dflash2": "DFlash2 (conv-wrapped layers, candidate selector)",
+                 "dspark": "DSpark (anchor-first block, Markov and confidence heads)"}
 
 
 def _configs(model: Optional[str], draft: Optional[str], preset: Optional[str],
@@ -76,6 +77,11 @@ def _print(out, rows: list[dict], arms: list[Arm], tp, dp, names: tuple[str, str
         out.print(f"       its selector: top-{dp.selector_top_k} of each row's {dp.vocab} logits, rank "
                   f"{dp.selector_rank} codebooks ({gb(2 * dp.vocab * dp.codebook_row_bytes)}, "
                   f"{dp.selector_top_k + 1} rows gathered per drafted row), the walk")
+    if dp.architecture == "dspark":
+        out.print(f"       its backbone runs its trained block of {dp.trained_tokens} tokens each cycle; per drafted "
+                  f"row the rank-{dp.markov_rank} Markov head gathers a W1 row and reads W2 ({gb(dp.markov_w2_bytes)}) "
+                  f"whole, one row after another, and the confidence head takes a {dp.confidence_width}-wide dot; "
+                  "the confidence schedule is not priced (give the tau of the verified length)")
     t = Table(title=f"predicted decode speed at {context} tokens of context"
                     + (" (M5 at the claimed Neural Accelerator rate)" if neural else ""))
     columns = ["chip", "GB/s", "TFLOPS", "arm", "tau", "mlx-lm tok/s", "DFlash tok/s", "speedup",
@@ -138,7 +144,10 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
     if draft_vocab is not None and validate.integer(draft_vocab, "--draft-vocab", low=1) > vocab:
         raise DFlashError(f"--draft-vocab must be at most the target's vocabulary size {vocab}, got {draft_vocab}")
     share = 1.0 if draft_vocab is None else draft_vocab / vocab
-    trained = DraftConfig.from_dict(draft_cfg).block_size
+    trained = draft_classes(draft_cfg)[1].from_dict(draft_cfg).block_size
+    if dp.architecture == "dspark" and max(block_sizes or [trained]) > trained:
+        raise DFlashError(f"a DSpark draft drafts at most its trained block of {trained} (gamma {trained - 1} "
+                          f"drafts and the anchor); give --block-size up to {trained}")
 
     # tau per block size: given, measured (with its per-position acceptance), or the preset's
     sources: dict[int, tuple[float, int, Optional[list[float]], str]] = {}
@@ -239,7 +248,9 @@ def main_predict_batch(*, model: Optional[str], draft: Optional[str], preset: Op
     if tau is not None:
         validate.real(tau, "--tau", low=1.0)
     target_cfg, draft_cfg, names, _, preset_tau = _configs(model, draft, preset, None)
-    trained = DraftConfig.from_dict(draft_cfg).block_size
+    if is_dspark(draft_cfg):
+        raise DFlashError("--predict --concurrency prices the batch decoder, which does not run DSpark drafts yet")
+    trained = draft_classes(draft_cfg)[1].from_dict(draft_cfg).block_size
     sizes = block_sizes or [trained]
     if tau is None and preset_tau is None:
         raise DFlashError("--predict --concurrency needs tau: give --tau T or --preset NAME")

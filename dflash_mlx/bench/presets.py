@@ -84,6 +84,28 @@ def _qwen3_next(hidden, layers, heads, kv, vocab, **extra) -> dict:
             "torch_dtype": "bfloat16", **extra}
 
 
+def _qwen3(hidden, layers, inter, heads, tied) -> dict:
+    """A Qwen3 dense config.json (8 KV heads of 128, vocabulary 151936)."""
+    return {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": hidden,
+            "num_hidden_layers": layers, "intermediate_size": inter, "num_attention_heads": heads,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6, "max_position_embeddings": 40960, "tie_word_embeddings": tied,
+            "torch_dtype": "bfloat16"}
+
+
+def _dspark(target: dict, target_layer_ids: list[int], gamma: int = 7, rank: int = 256) -> dict:
+    """A DeepSpec DSpark draft config.json: the target's config with five
+    full-attention layers and DeepSpec's keys (docs/dspark.md); ``num_anchors``
+    (training only) is a placeholder."""
+    return {**target, "architectures": ["Qwen3DSparkModel"], "num_hidden_layers": 5,
+            "num_target_layers": target["num_hidden_layers"], "layer_types": ["full_attention"] * 5,
+            "tie_word_embeddings": False, "block_size": gamma, "mask_token_id": 151669,
+            "target_layer_ids": target_layer_ids, "num_anchors": 512, "enable_confidence_head": True,
+            "confidence_head_with_markov": True, "markov_rank": rank, "markov_head_type": "vanilla"}
+
+
+_QWEN3 = {"4b": _qwen3(2560, 36, 9728, 32, True), "8b": _qwen3(4096, 36, 12288, 32, False),
+          "14b": _qwen3(5120, 40, 17408, 40, False)}
 Q4 = {"group_size": 64, "bits": 4}
 _MOE = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512, "norm_topk_prob": True}
@@ -155,6 +177,16 @@ PRESETS: dict[str, tuple[dict, dict, Optional[float], float]] = {
                                                     shared_expert_intermediate_size=1024, norm_topk_prob=True),
                                        tied=False, moe=True, quant=Q4),
                                _z_lab_draft(4096, 12288, 60), None, 7.5),
+    # DeepSeek's DSpark drafts (deepseek-ai/dspark_qwen3_{4b,8b,14b}_block7, gamma 7, so b = 8):
+    # Qwen3-4B/8B/14B's published configs; each draft is its target's config with 5 layers,
+    # rank-256 vanilla Markov head and a confidence head reading [h ; W1[x]] (NVIDIA-NeMo/RL's
+    # fixture of the 8B draft's tensor shapes; docs/dspark.md). With the copies of the target's
+    # embedding and head that the checkpoints carry (dropped on load, as here), the built
+    # drafts are the hub's 2.79 GB (4B) and 4.74 GB (8B) in bf16. tau 5 at b=8 is assumed:
+    # no measurement of these drafts is published for a Mac.
+    "qwen3-4b-dspark": (_QWEN3["4b"], _dspark(_QWEN3["4b"], [1, 9, 17, 25, 33]), None, 5.0),
+    "qwen3-8b-dspark": (_QWEN3["8b"], _dspark(_QWEN3["8b"], [1, 9, 17, 25, 33]), None, 5.0),
+    "qwen3-14b-dspark": (_QWEN3["14b"], _dspark(_QWEN3["14b"], [1, 10, 19, 28, 37]), None, 5.0),
     "qwen3-coder-next-4bit": (_qwen3_next(2048, 48, 16, 2, 151936, num_experts=512, num_experts_per_tok=10,
                                           moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                           norm_topk_prob=True, quantization=Q4),
