@@ -116,8 +116,9 @@ def test_rollback_at_every_acceptance_length(loaded, family, block_size):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("block_size", [2, 4, 16])
+@pytest.mark.parametrize("block_size", [2, 4, 16, "auto"])
 def test_greedy_output_is_mlx_lm_greedy_output(loaded, family, block_size):
+    """auto (the default) measures the pair's cost curve first, through the target's own final norm."""
     model, tokenizer, draft = loaded[family]
     check_greedy_output(model, tokenizer, draft, PROMPT, block_size)
 

@@ -312,7 +312,7 @@ def _inject_seconds(target: Target, draft: DFlashDraft) -> float:
     into the draft's context cache in one batch, as the loop does when the
     draft next runs."""
     proposer = proposer_for(draft, target)
-    features = mx.zeros((1, INJECT_BATCH, draft.config.feature_size), dtype=target.inner.norm.weight.dtype)
+    features = mx.zeros((1, INJECT_BATCH, draft.config.feature_size), dtype=target.final_norm.weight.dtype)
     ids = mx.zeros((INJECT_BATCH,), dtype=mx.int32)
 
     def inject() -> None:
