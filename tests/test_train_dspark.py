@@ -156,3 +156,21 @@ def test_exported_deepspec_folder_runs_as_the_mlx_draft(target_dirs, tmp_path):
     assert mx.array_equal(walks[0][0], walks[1][0]).item() and mx.array_equal(walks[0][2], walks[1][2]).item()
     copies = mx.load(str(tmp_path / "hf" / "model.safetensors"))
     assert mx.allclose(copies["embed_tokens.weight"], t.inner.embed_tokens.weight).item()
+
+
+def test_cli_trains_a_dspark_draft(target_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat and the dog sat on the log\n" * 40)
+    result = CliRunner().invoke(app, [
+        "train", "--model", str(target_dirs["qwen3_5"]), "--out", str(tmp_path / "run"), "--data", str(corpus),
+        "--arch", "dspark", "--markov-rank", "4", "--layers", "1", "--block-size", "6", "--seq-len", "32",
+        "--batch-size", "2", "--blocks-per-seq", "2", "--steps", "2", "--warmup", "1", "--eval-count", "1",
+        "--eval-tokens", "8", "--export-hf", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.stderr
+    for path in ("run/draft", "hf"):
+        draft = load_draft(str(tmp_path / path))
+        assert isinstance(draft, DSparkDraft) and draft.config.block_size == 6 and draft.config.markov_rank == 4
