@@ -24,7 +24,7 @@ from .errors import DFlashError
 from .kv_quantization import DEFAULT_QUANTIZED_KV_START, KVQuantization
 from .loop import cost_curve as costs
 from .loop import (AdaptiveBlock, BlockSampler, ContextCache, DriftWatch, FixedBlock, SamplingParams,
-                   SpeculativeDecoder, Watched, proposer_for)
+                   SpeculativeDecoder, Watched, proposer_for, times_for)
 from .targets import check_forward
 from .targets import Target
 from .tree import TreeDecoder
@@ -380,14 +380,16 @@ def schedules(draft: DFlashDraft) -> bool:
 def auto_policy(target: Target, draft: DFlashDraft,
                 curve: Union[costs.CostCurve, Watched, None]) -> AdaptiveBlock:
     """``block_size="auto"``'s policy: on the given curve as it is; on a
-    ``Watched`` one watched for drift; or on the pair's measured one, watched
-    so and measured again next time once the cycles drift from it."""
+    ``Watched`` one, at the costs its cycles are observed to take; or on the
+    pair's measured one, watched so and measured again next time once the
+    cycles drift far from it (``loop/drift_watch.py``)."""
     if isinstance(curve, Watched):
-        return AdaptiveBlock(curve.curve, draft.config.block_size, watch=DriftWatch(curve.curve))
+        watch = DriftWatch(curve.curve, times=times_for(curve.curve))
+        return AdaptiveBlock(curve.curve, draft.config.block_size, watch=watch)
     if curve is not None:
         return AdaptiveBlock(curve, draft.config.block_size)
     curve = costs.cost_curve(target, draft)
-    watch = DriftWatch(curve, on_drift=lambda: costs.forget(target, draft))
+    watch = DriftWatch(curve, on_drift=lambda: costs.forget(target, draft), times=times_for(curve))
     return AdaptiveBlock(curve, draft.config.block_size, watch=watch)
 
 

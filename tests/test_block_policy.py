@@ -14,7 +14,8 @@ from mlx_lm import load as mlx_lm_load
 
 from checkpoints import build_target
 from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generate
-from dflash_mlx.loop.block_policy import PRIOR_ACCEPTANCE, PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock, FixedBlock
+from dflash_mlx.loop.block_policy import (PRIOR_ACCEPTANCE, PRIOR_MARGIN, PROBE_BUDGET, PROBE_EVERY, AdaptiveBlock,
+                                          FixedBlock)
 from dflash_mlx.loop.cost_curve import CostCurve
 from dflash_mlx.loop.decoder import SpeculativeDecoder
 from dflash_mlx.loop.sampling import BlockSampler, SamplingParams, warp
@@ -56,9 +57,10 @@ def test_expected_tokens_follow_the_per_position_acceptance():
 def test_the_choice_maximises_expected_tokens_per_second():
     assert AdaptiveBlock(FLAT, 16).choose() == 16
     assert AdaptiveBlock(STEEP, 16).choose() == 1
-    policy = AdaptiveBlock(Linear(1.0, 0.1, 0.3), 16, prior=0.6)
-    rates = {b: policy.expected_tokens(b) / (1.0 + 0.1 * (b - 1) + (0.3 if b > 1 else 0)) for b in range(1, 17)}
-    assert policy.choose() == max(rates, key=rates.get) == 4
+    policy = AdaptiveBlock(Linear(1.0, 0.05, 0.1), 16, prior=0.6)
+    rates = {b: policy.expected_tokens(b) / (1.0 + 0.05 * (b - 1) + (0.1 if b > 1 else 0)) for b in range(1, 17)}
+    assert rates[5] > (1 + PRIOR_MARGIN) * rates[1]  # on the prior, a promise past the margin
+    assert policy.choose() == max(rates, key=rates.get) == 5
     assert AdaptiveBlock(Linear(1.0, 0.1, 0.3), 16, prior=0.95).choose() == 16
     assert AdaptiveBlock(FLAT, 8).choose() == 8  # never past max_block
 
@@ -72,14 +74,16 @@ def test_outcomes_update_only_the_positions_a_cycle_reached():
 
 
 def test_on_the_prior_alone_speculation_must_promise_a_margin():
-    """Where the prior promises speculation only a little (10%) over plain
-    steps, the policy starts plain; a measured outcome at the same acceptance
-    makes the same promise enough. A larger promise (30%) speculates at once."""
-    a_little = AdaptiveBlock(CostCurve((1, 2), (1.0, 1.0), (0.0, (1 + PRIOR_ACCEPTANCE) / 1.1 - 1.0)), 2)
+    """Where the prior promises speculation less than the margin (40% over
+    plain steps, the margin being 50%), the policy starts plain; a measured
+    outcome at the same acceptance makes the same promise enough. A larger
+    promise (60%) speculates at once."""
+    assert PRIOR_MARGIN == 0.5
+    a_little = AdaptiveBlock(CostCurve((1, 2), (1.0, 1.0), (0.0, (1 + PRIOR_ACCEPTANCE) / 1.4 - 1.0)), 2)
     assert a_little.choose() == 1
     a_little.probed(2, [PRIOR_ACCEPTANCE])  # an outcome that leaves c_1 where the prior put it
     assert a_little.acceptance == [PRIOR_ACCEPTANCE] and a_little.choose() == 2
-    assert AdaptiveBlock(CostCurve((1, 2), (1.0, 1.0), (0.0, (1 + PRIOR_ACCEPTANCE) / 1.3 - 1.0)), 2).choose() == 2
+    assert AdaptiveBlock(CostCurve((1, 2), (1.0, 1.0), (0.0, (1 + PRIOR_ACCEPTANCE) / 1.6 - 1.0)), 2).choose() == 2
 
 
 def test_rejections_turn_speculation_off_and_probes_bring_it_back():
@@ -136,67 +140,51 @@ def _probe_steps(policy, n):
     return taken
 
 
-def test_before_speculation_runs_probes_keep_the_budgets_spacing():
+def test_probes_that_find_nothing_back_off_to_the_budgets_spacing():
     """A pair whose curve says "plain" from the start: the first probe comes
-    ``PROBE_EVERY`` plain steps in, every next one at the spacing at which a
-    probe costs ``PROBE_BUDGET`` of the plain steps' time."""
+    ``PROBE_EVERY`` plain steps in; after k that found nothing the next waits
+    ``PROBE_EVERY`` x 2^k, never longer than the spacing at which a probe
+    costs ``PROBE_BUDGET`` of the plain steps' time."""
     curve = CostCurve((1, 16), (1.0, 16.0), (0.0, 1.0))  # a draft pass costs a plain step
-    taken = _probe_steps(AdaptiveBlock(curve, 4), 400)
+    taken = _probe_steps(AdaptiveBlock(curve, 4), 600)
+    budget = math.ceil(1.0 / PROBE_BUDGET)
     assert taken[0] == PROBE_EVERY - 1
-    assert {j - i for i, j in zip(taken, taken[1:])} == {math.ceil(1.0 / PROBE_BUDGET)}
+    gaps = [j - i for i, j in zip(taken, taken[1:])]
+    assert gaps[:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY] and set(gaps[3:]) == {budget}
+
+
+def _speculate_until_plain(policy, accepted):
+    """Speculate on the policy's own choice, ``accepted`` drafts the first
+    cycle, none after it, until it turns plain."""
+    b = policy.choose()
+    assert b > 1
+    policy.update(b, accepted)
+    while (b := policy.choose()) > 1:
+        policy.update(b, 0)
 
 
 @pytest.mark.parametrize("paid", [True, False])
-def test_once_speculation_paid_failing_probes_back_off_to_the_budgets_spacing(paid):
-    """Once a speculative cycle has paid for itself, probes that do not bring
-    speculation back come 2x, 4x, ... ``PROBE_EVERY`` apart, up to the
-    budget's spacing; speculating again brings them close. Speculation that
-    never paid leaves the budget's spacing, from the first probe after it on
-    (that one is the generation's first: the first after the policy's own
-    prior turned speculation off)."""
-    policy = AdaptiveBlock(Linear(1.0, 0.0, 1.0), 16)  # a draft pass costs a plain step, verifying is free
-    b = policy.choose()
-    assert b > 1  # the prior says speculate
-    policy.update(b, 1 if paid else 0)  # 2 tokens for 2 plain steps' time: paid; 1: not
-    b = policy.choose()
-    while b > 1:  # until rejections turn it off
-        policy.update(b, 0)
-        b = policy.choose()
-    assert policy.probe() == 0  # the plain step right after speculation
-    taken = _probe_steps(policy, 400)
-    gaps = [j - i for i, j in zip(taken, taken[1:])]
-    budget = math.ceil(1.0 / PROBE_BUDGET)  # a drafted probe's spacing; a verified one's loss is a little less
-    fast = [2 * PROBE_EVERY, 4 * PROBE_EVERY] if paid else []
-    assert taken[0] == PROBE_EVERY - 2  # the generation's first probe (one plain step came before)
-    assert gaps[:len(fast)] == fast and all(4 * PROBE_EVERY < g <= budget for g in gaps[len(fast):])
-    assert policy.failed_probes == len(taken)
-    policy.probed(16, [1.0] * 15)  # the drafts turned right: speculation comes back at once
-    assert policy.choose() > 1 and policy.failed_probes == 0
-
-
-def test_speculation_that_did_not_pay_leaves_the_next_probe_at_the_budgets_spacing():
-    """A probe's right drafts start speculation, whose first cycle fails: the
-    next probe (verified, its expected loss small) comes at the budget's
-    spacing for that loss, not ``PROBE_EVERY`` steps on (each such probe is a
-    cycle lost when the drafts keep failing)."""
-    curve = CostCurve((1, 16), (1.0, 6.0), (0.0, 1.0))  # the prior says plain; three right drafts, speculate
-    policy = AdaptiveBlock(curve, 4)
-    assert [policy.choose() == 1 and policy.probe() for _ in range(PROBE_EVERY)][-1] == 4
-    policy.probed(4, [1.0, 1.0, 1.0])
-    b = policy.choose()
-    assert b > 1
-    policy.update(b, 0)
-    assert policy.choose() == 1 and not policy.paid
-    loss = policy.verified_probe_loss(policy.best(low=2))
-    assert _probe_steps(policy, 400)[0] == math.ceil(loss / PROBE_BUDGET) - 2  # one plain step came before
-    assert PROBE_EVERY < math.ceil(loss / PROBE_BUDGET)
+def test_only_a_cycle_that_paid_brings_the_probes_close_again(paid):
+    """Probes that find nothing back off (2x, 4x, ... ``PROBE_EVERY``). A
+    probe's right drafts start speculation: when its first cycle pays for
+    itself (2 tokens for 2 plain steps' time) the probes after it come close
+    again; when it fails, they keep backing off from where they were, so that
+    drafts that keep failing cannot start a probe every ``PROBE_EVERY`` steps."""
+    policy = AdaptiveBlock(Linear(1.0, 0.1, 1.0), 16)  # a cycle at 16 costs 3.5 plain steps: probes are drafted
+    taken = _probe_steps(policy, 8 * PROBE_EVERY)  # the prior says plain
+    assert len(taken) == policy.failed_probes == 3
+    policy.probed(16, [1.0] * 15)  # the drafts turned right
+    _speculate_until_plain(policy, 3 if paid else 0)  # 4 tokens for 3.5 plain steps' time: paid
+    assert policy.failed_probes == (0 if paid else 4)
+    gap = _probe_steps(policy, 400)[0] + 2  # plain steps to the next probe (one came before; this one included)
+    assert gap == PROBE_EVERY if paid else gap > 2 * PROBE_EVERY  # unpaid: the budget's spacing for the cheaper probe
 
 
 def test_a_probe_is_verified_only_once_speculation_ran_and_where_that_costs_less():
     curve = CostCurve((1, 16), (1.0, 1.0), (0.0, 2.0))  # verifying is free, drafting dear
     policy = AdaptiveBlock(curve, 4)
     assert [policy.choose() == 1 and policy.probe() for _ in range(PROBE_EVERY)][-1] > 1  # only drafted
-    policy.acceptance = [1.0] * 3
+    policy.acceptance, policy.learned = [1.0] * 3, True  # as if measured: no prior's margin
     assert policy.choose() == 4  # speculating
     for _ in range(3):
         policy.update(4, 0)

@@ -11,7 +11,7 @@ from mlx_lm import load as mlx_lm_load
 from dflash_mlx import Target, load_draft
 from dflash_mlx.loop import cost_curve as cc
 from dflash_mlx.loop.cost_curve import CostCurve
-from dflash_mlx.loop.drift_watch import DriftWatch, Watched
+from dflash_mlx.loop.drift_watch import SETTLED, CycleTimes, DriftWatch, Watched
 
 SYNTHETIC = CostCurve((1, 2, 4, 8), (1.0, 2.0, 4.0, 6.0), (0.0, 1.0, 3.0, 5.0))
 
@@ -296,11 +296,20 @@ def _cycles(watch, clock, seconds, blocks, context=100):
         watch.cycle_done(b, context)
 
 
-def test_cycles_near_the_curve_are_no_drift():
+def test_cycles_near_the_curve_are_no_drift_but_weighed_as_observed():
+    """Cycles 1.3x the curve's price: nothing to measure again, but the
+    policy weighs each kind at its observed ratio (to 1/8 of an octave), once
+    ``SETTLED`` of that kind were timed, from the first of them on in the
+    next generation that shares their times."""
     clock, drifted = Clock(), []
-    watch = DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)
+    times = CycleTimes(8)
+    watch = DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8, times=times)
+    _cycles(watch, clock, lambda b: 1.3 * CONTEXTUAL.cycle_seconds(b, 100), [2] * (SETTLED - 1))
+    assert watch.factor(2) == 1.0  # not yet settled
     _cycles(watch, clock, lambda b: 1.3 * CONTEXTUAL.cycle_seconds(b, 100), [1, 1, 2] * 20)
-    assert not drifted and watch.factor(1) == watch.factor(2) == 1.0
+    assert not drifted and watch.factor(1) == watch.factor(2) == 2 ** (3 / 8)
+    assert DriftWatch(CONTEXTUAL, None, clock, times=times).factor(1) == 2 ** (3 / 8)
+    assert DriftWatch(CONTEXTUAL, None, clock).factor(1) == 1.0  # its own times: none yet
 
 
 def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():

@@ -50,15 +50,22 @@ target, and its probes wait for the block plus 8 tokens alone).
 Speculation on the prior alone is a guess of the same kind and waits for
 its block plus ``probe_every`` tokens alike: a draft's first blocks are
 often far below the prior (on the demo pair, two failed blocks of 8 cost
-most of a 12-token generation), so a short generation runs plain. Until a
-speculative cycle has paid for itself in the generation (its tokens worth more plain
-steps than it took), the probes after the first keep the budget's spacing:
-nothing has shown the drafts pay here, a long prompt's draft pass can cost
-about a plain step, and a short generation would pay for a quick succession
-of probes that find nothing. The first comes ``probe_every`` plain steps in,
-so a pair whose curve alone says "plain" learns soon whether its drafts
-would pay, from positions past the prompt's end (a draft's first block after
-a chat template is often wrong where later ones are right). A probe's
+most of a 12-token generation), so a short generation runs plain. After
+k probes that did not bring speculation back the next waits ``probe_every``
+x 2^k plain steps (never longer than the budget's spacing); k goes back to 0
+only when a speculative cycle pays for itself (its tokens worth more plain
+steps than it took), not when speculation merely runs again, so that drafts
+that keep failing cannot start a probe every ``probe_every`` steps. The
+first comes ``probe_every`` plain steps in, so a pair whose curve alone says
+"plain" learns soon whether its drafts would pay, from positions past the
+prompt's end. A draft's first blocks after a prompt are often wrong where
+later ones are right (on the demo pair's held-out prompts at b = 8: 1.1
+drafts accepted per cycle in the first 8 generated tokens, 2.3 in the next
+8, about 4 from the 32nd on), which is also why speculation on the prior
+alone must promise ``PRIOR_MARGIN`` (50%) over plain steps: a curve that
+prices a cycle at 2.5 plain steps would otherwise start each generation on
+cycles that fail, and the backoff of the probes after them keep it plain
+where the text turns predictable. A probe's
 outcome, either kind, weighs ``PROBE_RATE`` in each c_i it reached, more
 than a speculative cycle's ``RATE``.
 
@@ -76,7 +83,7 @@ RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycl
 PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
 PROBE_BUDGET = 0.01  # the most of the plain steps' time the probes' draft passes may take
 PROBE_SHARE = 0.02  # the most of the time of the plain steps left to generate that one probe may take
-PRIOR_MARGIN = 0.2  # on the prior alone, speculation must beat plain steps by this share
+PRIOR_MARGIN = 0.5  # on the prior alone, speculation must beat plain steps by this share
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
 
@@ -145,9 +152,7 @@ class AdaptiveBlock:
         self.verifying_probe = False  # the block chosen last is a probe, verified
         self.speculated = False  # whether speculation has run (a verified probe may be taken)
         self.learned = False  # whether any outcome has moved the acceptance off the prior
-        self.paid = False  # whether a speculative cycle has paid for itself (probes may come fast)
-        self.failed_probes = 0  # probes since speculation last ran
-        self.probed_before = False  # whether a probe has been judged in this generation
+        self.failed_probes = 0  # probes since a speculative cycle last paid for itself
         self._prices: tuple = (None, [])  # (what they were read for, seconds at b = 1 .. max_block)
 
     def reprice(self) -> None:
@@ -213,17 +218,12 @@ class AdaptiveBlock:
         return min(loss, self.verified_probe_loss(probe)) if self.speculated else loss
 
     def probe_interval(self, probe: int) -> int:
-        """Plain steps before a probe at block ``probe``: enough that the
-        probe's loss is ``probe_budget`` of their time, and at least
-        ``probe_every``; at most ``probe_every`` x 2^k after k probes that did
-        not bring speculation back, once a speculative cycle has paid, or
-        before the generation's first probe (speculation that ran without
-        paying does not bring the fast spacing back: it would verify a probe
-        every ``probe_every`` steps, each a lost cycle where the drafts fail)."""
+        """Plain steps before a probe at block ``probe``: ``probe_every`` x 2^k
+        after k probes that found nothing since a speculative cycle last paid
+        for itself, at most the spacing at which the probe's loss is
+        ``probe_budget`` of their time, and at least ``probe_every``."""
         interval = math.ceil(self.probe_loss(probe) / (self.probe_budget * self.cycle_seconds(1)))
-        if self.paid or not self.probed_before:
-            interval = min(interval, self.probe_every * 2**self.failed_probes)
-        return max(self.probe_every, interval)
+        return max(self.probe_every, min(interval, self.probe_every * 2**self.failed_probes))
 
     def choose(self, context: int = 0, left: Optional[int] = None) -> int:
         self.context = context
@@ -236,7 +236,7 @@ class AdaptiveBlock:
             b = 1  # a guess on the prior with no room to recover if it is wrong
         if b > 1 or self.max_block == 1:
             self.plain_steps = 0
-            self.speculated, self.failed_probes = True, 0
+            self.speculated = True
             return b
         probe = self.best(low=2, rates=rates)
         self.plain_steps += 1
@@ -271,12 +271,11 @@ class AdaptiveBlock:
             self.watch.cycle_done(block_size, self.context)
         # positions 1..accepted were accepted; position accepted+1 (if drafted) was rejected
         hits = ([1.0] * accepted + [0.0])[: block_size - 1]
-        if block_size > 1 and (accepted + 1) * self.cycle_seconds(1) >= self.cycle_seconds(block_size):
-            self.paid = True
         if self.verifying_probe:
             self.probed(block_size, hits)
         else:
             self._learn(hits, self.rate)
+        self._count_paid(block_size, [accepted])
 
     def update_rows(self, block_size: int, accepted: list[int]) -> None:
         """A batch cycle's outcomes, one per row (``loop/batch.py``): each
@@ -288,17 +287,22 @@ class AdaptiveBlock:
             return
         if self.watch:
             self.watch.cycle_done(block_size, self.context)
-        if any((a + 1) * self.cycle_seconds(1) >= self.cycle_seconds(block_size) for a in accepted):
-            self.paid = True
         self.probed(block_size, shared_hits([([1.0] * a + [0.0])[: block_size - 1] for a in accepted]))
+        self._count_paid(block_size, accepted)
+
+    def _count_paid(self, block_size: int, accepted: list[int]) -> None:
+        """Probes come close again once a speculative cycle paid for itself
+        (a row's tokens worth more plain steps than the cycle took)."""
+        if block_size > 1 and any((a + 1) * self.cycle_seconds(1) >= self.cycle_seconds(block_size) for a in accepted):
+            self.failed_probes = 0
 
     def probed(self, block_size: int, hits: list[float]) -> None:
         """A probe's outcome at ``block_size``: for each draft position it
         reached, in order, the probability that verifying would have accepted
-        it there. Until speculation runs again it counts as failed."""
+        it there. It counts as a probe that found nothing until a speculative
+        cycle pays for itself."""
         self._learn(hits, PROBE_RATE)
         self.failed_probes += 1
-        self.probed_before = True
 
     def _learn(self, hits: list[float], rate: float) -> None:
         self.learned = self.learned or bool(hits)
