@@ -53,9 +53,11 @@ class DriftWatch:
     by the generations that pass the same, default: this watch's own). Once
     ``SETTLED`` cycles of a kind were timed, ``factor`` gives their median
     ratio of observed to predicted seconds (to 1/8 of an octave), by which the
-    policy scales the curve; a kind timed fewer times is taken as priced, so
-    that the policy tries it rather than assume it costs what the other kind
-    does. When the median over the last ``window`` cycles of a kind lies past
+    policy scales the curve; a kind timed fewer times is taken to be off the
+    curve as far as the other kind is (priced as the curve says while neither
+    settled): scaling one kind alone would make the other look cheaper than it
+    is (at a long context, where the curve's extrapolated slope underprices the
+    plain steps, verified probes would then come every few steps). When the median over the last ``window`` cycles of a kind lies past
     ``DRIFT`` either way, ``on_drift`` runs once (``forget``: the next
     generation measures the curve again)."""
 
@@ -88,8 +90,8 @@ class DriftWatch:
 
     def _rescale(self) -> None:
         step = lambda r: 2 ** (round(math.log2(max(statistics.median(r), 1e-9)) * 8) / 8)  # noqa: E731
-        kinds = (self.times.of(False), self.times.of(True))
-        self.factors = tuple(step(r) if len(r) >= SETTLED else 1.0 for r in kinds)
+        plain, speculative = (step(r) if len(r) >= SETTLED else None for r in (self.times.of(False), self.times.of(True)))
+        self.factors = (plain or speculative or 1.0, speculative or plain or 1.0)
 
     def factor(self, block_size: int) -> float:
         return self.factors[block_size > 1]
