@@ -69,8 +69,11 @@ def test_a_probe_is_drafted_beside_plain_steps_and_its_rows_make_one_outcome():
 def test_a_verified_probe_counts_once_however_many_rows_verify_it():
     policy = AdaptiveBlock(CURVE, 16)
     policy.verifying_probe = True
-    policy.update_rows(8, [0, 3, 0, 1])
+    policy.update_rows(8, [0, 1, 0, 1])  # no row's tokens pay for the cycle
     assert policy.failed_probes == 1
+    policy.verifying_probe = True
+    policy.update_rows(8, [0, 3, 0, 1])  # one row's do: probes come close again
+    assert policy.failed_probes == 0
     assert shared_hits([[0.0], [1.0, 1.0, 1.0, 0.0], [0.0], [1.0, 0.0]]) == [0.5, 0.5, 1.0, 0.0]
 
 
