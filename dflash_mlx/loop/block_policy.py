@@ -280,14 +280,16 @@ class AdaptiveBlock:
     def update_rows(self, block_size: int, accepted: list[int]) -> None:
         """A batch cycle's outcomes, one per row (``loop/batch.py``): each
         learned as a cycle of its own, except that a verified probe counts
-        once, its hits the rows' shares (``shared_hits``)."""
-        if not self.verifying_probe:
-            for a in accepted:
-                self.update(block_size, a)
-            return
+        once, its hits the rows' shares (``shared_hits``); the watch times the
+        batch's cycle once."""
         if self.watch:
             self.watch.cycle_done(block_size, self.context)
-        self.probed(block_size, shared_hits([([1.0] * a + [0.0])[: block_size - 1] for a in accepted]))
+        hits = [([1.0] * a + [0.0])[: block_size - 1] for a in accepted]
+        if self.verifying_probe:
+            self.probed(block_size, shared_hits(hits))
+        else:
+            for row in hits:
+                self._learn(row, self.rate)
         self._count_paid(block_size, accepted)
 
     def _count_paid(self, block_size: int, accepted: list[int]) -> None:

@@ -39,12 +39,13 @@ class CycleTimes:
         return self.ratios.setdefault(speculative, deque(maxlen=self.window))
 
 
-_TIMES: dict = {}  # curve -> CycleTimes: every generation of this process timed against it
+_TIMES: dict = {}  # prices (a curve, a batch's) -> CycleTimes: every generation of this process timed against them
 
 
-def times_for(curve: CostCurve) -> CycleTimes:
-    """The cycles this process timed against ``curve`` (equal curves share them)."""
-    return _TIMES.setdefault(curve, CycleTimes())
+def times_for(prices) -> CycleTimes:
+    """The cycles this process timed against ``prices`` (a ``CostCurve``, or
+    any hashable naming them: equal ones share the times)."""
+    return _TIMES.setdefault(prices, CycleTimes())
 
 
 class DriftWatch:
