@@ -82,6 +82,7 @@ PRIOR_ACCEPTANCE = 0.75  # c_i before any outcome: tau 4 at b = 16, below what t
 RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycles count)
 PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
 PROBE_BUDGET = 0.01  # the most of the plain steps' time the probes' draft passes may take
+PROBE_BACKOFF_BUDGET = 0.03  # after a probe found nothing, the next one's loss is at most this of the steps between
 PROBE_SHARE = 0.02  # the most of the time of the plain steps left to generate that one probe may take
 PRIOR_MARGIN = 0.5  # on the prior alone, speculation must beat plain steps by this share
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
@@ -220,10 +221,15 @@ class AdaptiveBlock:
     def probe_interval(self, probe: int) -> int:
         """Plain steps before a probe at block ``probe``: ``probe_every`` x 2^k
         after k probes that found nothing since a speculative cycle last paid
-        for itself, at most the spacing at which the probe's loss is
+        for itself, and then at least as many as make the probe's loss
+        ``PROBE_BACKOFF_BUDGET`` of their time (a dear probe, at a long
+        context, backs off faster); at most the spacing at which its loss is
         ``probe_budget`` of their time, and at least ``probe_every``."""
-        interval = math.ceil(self.probe_loss(probe) / (self.probe_budget * self.cycle_seconds(1)))
-        return max(self.probe_every, min(interval, self.probe_every * 2**self.failed_probes))
+        loss = self.probe_loss(probe) / self.cycle_seconds(1)  # in plain steps
+        backoff = self.probe_every * 2**self.failed_probes
+        if self.failed_probes:
+            backoff = max(backoff, math.ceil(loss / PROBE_BACKOFF_BUDGET))
+        return max(self.probe_every, min(math.ceil(loss / self.probe_budget), backoff))
 
     def choose(self, context: int = 0, left: Optional[int] = None) -> int:
         self.context = context
