@@ -557,9 +557,10 @@ def stage_compare(work: Path) -> dict:
     target = stage_target(work)
     model, tokenizer = load(str(target))
     prompts = [json.loads(line)["prompt"] for line in INSTALLED_PROMPTS.read_text().splitlines()]
-    drafts = {"v1": INSTALLED / "draft", "v2": newest_draft(work / "draft2")}
-    if carried(work / "dspark") is not None:
-        drafts["dspark"] = newest_draft(work / "dspark")
+    drafts = {"v1": INSTALLED / "draft"}
+    for name, stage in (("v2", "draft2"), ("dspark", "dspark")):  # the stages run so far
+        if carried(work / stage) is not None:
+            drafts[name] = newest_draft(work / stage)
     report = {"target": str(target), "prompts": len(prompts), "tokens": CHECK_TOKENS}
     for name, path in drafts.items():
         draft = load_draft(str(path))
@@ -567,8 +568,8 @@ def stage_compare(work: Path) -> dict:
                         "pair MB": round(weights_mb(target, path), 2),
                         **{f"tau at block {b}": held_out_tau(model, draft, tokenizer, prompts, b)
                            for b in COMPARE_BLOCKS}}
-    report["winner"] = max(("v1", "v2"), key=lambda n: report[n]["tau at block 16"])
-    if report["v2"]["draft"] != str(work / "draft2" / "draft"):
+    report["winner"] = max(("v1", "v2"), key=lambda n: report[n]["tau at block 16"] if n in report else 0)
+    if report["winner"] == "v2" and report["v2"]["draft"] != str(work / "draft2" / "draft"):
         report["winner"] = "v1"  # an unfinished draft never ships
     report["best at block 16"] = max(drafts, key=lambda n: report[n]["tau at block 16"])
     print(f"compare on {len(prompts)} held-out prompts x {CHECK_TOKENS} tokens, greedy:", file=sys.stderr)
