@@ -11,7 +11,6 @@ import pytest
 from dflash_mlx.loop.batch_policy import WIDTHS, BatchBlock, BatchCosts, FixedRows, batch_costs
 from dflash_mlx.loop.block_policy import AdaptiveBlock, shared_hits
 from dflash_mlx.loop.cost_curve import CostCurve
-from dflash_mlx.loop.drift_watch import SETTLED, CycleTimes
 
 CURVE = CostCurve((1, 2, 4, 8, 16), (1.1, 1.2, 1.4, 1.8, 2.6), (0.0, 0.4, 0.5, 0.7, 1.1))
 SIZES = (1, 2, 4, 8, 16)
@@ -117,33 +116,3 @@ def test_batch_costs_are_cached_beside_the_curve_and_a_corrupt_entry_is_measured
     path.write_text(json.dumps({"schema": "x"}))
     batch_costs(None, Draft, tmp_path)
     assert len(measured) == 2
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def test_the_batch_weighs_its_cycles_at_their_observed_cost():
-    """Timed (``times`` given), the batch's cycles are observed once each,
-    against the price of the whole batch (per row times the rows): after
-    ``SETTLED`` speculative cycles run in half their price, a cycle is priced
-    at half, for this batch and the next that shares the times."""
-    times = CycleTimes()
-    policy = BatchBlock(CURVE, STEEPENING, 16, times)
-    clock = policy.block.watch.clock = Clock()
-    rows = [Row()] * 4
-    policy.choose(rows)  # the batch's width and context: 4 rows of 100 tokens
-    priced = policy.block.cycle_seconds(8)
-    for _ in range(SETTLED + 1):
-        clock.now += 0.5 * 4 * policy.costs.cycle_seconds(8, 100)
-        policy.block.update_rows(8, [2, 0, 1, 3])
-    assert len(times.of(True)) == SETTLED  # one per batch cycle, not per row
-    assert policy.block.cycle_seconds(8) == pytest.approx(priced / 2)
-    again = BatchBlock(CURVE, STEEPENING, 16, times)
-    again.choose(rows)
-    assert again.block.cycle_seconds(8) == pytest.approx(priced / 2)
-    assert BatchBlock(CURVE, STEEPENING, 16).block.watch is None  # untimed: the curve and factors alone

@@ -11,7 +11,7 @@ from mlx_lm import load as mlx_lm_load
 from dflash_mlx import Target, load_draft
 from dflash_mlx.loop import cost_curve as cc
 from dflash_mlx.loop.cost_curve import CostCurve
-from dflash_mlx.loop.drift_watch import SETTLED, CycleTimes, DriftWatch, Watched
+from dflash_mlx.loop.drift_watch import SETTLED, CycleTimes, DriftWatch, Watched, times_for
 
 SYNTHETIC = CostCurve((1, 2, 4, 8), (1.0, 2.0, 4.0, 6.0), (0.0, 1.0, 3.0, 5.0))
 
@@ -370,3 +370,21 @@ def test_every_rank_gets_the_whole_curve():
 
     curve = CostCurve((1, 2, 4), (1.0, 2.0, 4.0), (0.0, 1.0, 3.0), 100, (0.25, 0.5, 0.75), (0.0, 0.125, 0.125), 0.5)
     assert shared_cost_curve(None, None, mx.distributed.init(), curve) == curve  # values exact in float32
+
+
+def test_a_sampled_generation_is_weighed_by_the_curve_until_it_drifts(pair):
+    """Seeded draws follow the blocks: a sampled generation's watch keeps the
+    curve's prices (its own times, nothing shared) until its cycles drift past
+    the tolerance, so the same seed gives the same tokens whatever ran before."""
+    from dflash_mlx.generate import auto_policy
+
+    clock = Clock()
+    watch = DriftWatch(CONTEXTUAL, None, clock, window=8, weigh=False)
+    _cycles(watch, clock, lambda b: 1.3 * CONTEXTUAL.cycle_seconds(b, 100), [1, 2] * 20)
+    assert watch.factor(1) == watch.factor(2) == 1.0  # 1.3x: near the curve
+    _cycles(watch, clock, lambda b: 2.0 * CONTEXTUAL.cycle_seconds(b, 100), [1, 2] * 20)
+    assert watch.drifted and watch.factor(1) == watch.factor(2) == 2.0
+    target, draft = pair
+    sampled, greedy = (auto_policy(target, draft, Watched(CONTEXTUAL), sampled=s) for s in (True, False))
+    assert not sampled.watch.weigh and sampled.watch.times is not times_for(CONTEXTUAL)
+    assert greedy.watch.weigh and greedy.watch.times is times_for(CONTEXTUAL)

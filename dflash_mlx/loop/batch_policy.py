@@ -9,10 +9,7 @@ pair's cost curve (one row) times the batch's measured width factor
 As rows are added a speculative cycle costs more per row only as far as the
 passes stop being bound by reading the weights, so drafting pays less at
 larger widths and the policy falls back to plain batched steps (b = 1) where
-it does not pay. With one row it is ``AdaptiveBlock`` on the same curve. As a
-request alone does, the batch weighs each kind of cycle at the cost it is
-observed to take (``drift_watch.py``), its times kept for the process per
-curve and batch factors.
+it does not pay. With one row it is ``AdaptiveBlock`` on the same curve.
 """
 
 import time
@@ -24,7 +21,6 @@ from mlx_lm.models.cache import KVCache
 
 from . import cost_curve as costs
 from .block_policy import AdaptiveBlock, shared_hits
-from .drift_watch import CycleTimes, DriftWatch, times_for
 from ..targets import RowKVCache
 
 WIDTHS = (1, 2, 4, 8)  # batch widths timed; wider batches use the widest factor
@@ -82,17 +78,6 @@ class WidthCosts:
         return self.curve.draft(b, context) * self.batch.factor(self.width, b)
 
 
-class BatchSeconds:
-    """The seconds of one cycle over the whole batch (what the host times):
-    ``WidthCosts``' price per row times the rows."""
-
-    def __init__(self, costs: WidthCosts):
-        self.costs = costs
-
-    def cycle_seconds(self, b: int, context: Optional[int] = None) -> float:
-        return self.costs.cycle_seconds(b, context) * self.costs.width
-
-
 class FixedRows:
     """The same b for every cycle."""
 
@@ -111,13 +96,11 @@ class BatchBlock:
     row, cycles priced per row at the batch's width. A probe is drafted for
     every row beside a plain batched step and judged per row against the
     row's own next tokens, as a request alone judges it; the rows' hits make
-    one outcome. Given ``times``, its cycles are timed into them and weighed
-    at their observed cost (without, priced by the curve and factors alone)."""
+    one outcome."""
 
-    def __init__(self, curve, batch: BatchCosts, max_block: int, times: Optional[CycleTimes] = None):
+    def __init__(self, curve, batch: BatchCosts, max_block: int):
         self.costs = WidthCosts(curve, batch)
-        watch = None if times is None else DriftWatch(BatchSeconds(self.costs), times=times)
-        self.block = AdaptiveBlock(self.costs, max_block, watch=watch)
+        self.block = AdaptiveBlock(self.costs, max_block)
 
     def choose(self, rows: list) -> int:
         if len(rows) != self.costs.width:
@@ -190,5 +173,4 @@ def batch_policy(target, draft, block_size: Union[int, str, None]):
         return FixedRows(draft.config.block_size)
     if isinstance(block_size, int):
         return FixedRows(block_size)
-    curve, batch = costs.cost_curve(target, draft), batch_costs(target, draft)
-    return BatchBlock(curve, batch, draft.config.block_size, times_for((curve, batch)))
+    return BatchBlock(costs.cost_curve(target, draft), batch_costs(target, draft), draft.config.block_size)

@@ -39,13 +39,12 @@ class CycleTimes:
         return self.ratios.setdefault(speculative, deque(maxlen=self.window))
 
 
-_TIMES: dict = {}  # prices (a curve, a batch's) -> CycleTimes: every generation of this process timed against them
+_TIMES: dict = {}  # curve -> CycleTimes: every generation of this process timed against it
 
 
-def times_for(prices) -> CycleTimes:
-    """The cycles this process timed against ``prices`` (a ``CostCurve``, or
-    any hashable naming them: equal ones share the times)."""
-    return _TIMES.setdefault(prices, CycleTimes())
+def times_for(curve: CostCurve) -> CycleTimes:
+    """The cycles this process timed against ``curve`` (equal curves share them)."""
+    return _TIMES.setdefault(curve, CycleTimes())
 
 
 class DriftWatch:
@@ -60,16 +59,23 @@ class DriftWatch:
     is (at a long context, where the curve's extrapolated slope underprices the
     plain steps, verified probes would then come every few steps). When the median over the last ``window`` cycles of a kind lies past
     ``DRIFT`` either way, ``on_drift`` runs once (``forget``: the next
-    generation measures the curve again)."""
+    generation measures the curve again).
+
+    With ``weigh=False`` (a sampled generation: its seeded draws follow the
+    blocks chosen, so the blocks must not follow timings, or the same seed
+    would not give the same tokens) the factors stay 1 until the cycles drift
+    past ``DRIFT``: the choices then depend on the curve and the outcomes
+    alone, as long as the machine keeps near the curve."""
 
     def __init__(self, curve: CostCurve, on_drift: Optional[Callable[[], None]] = None,
                  clock: Callable[[], float] = time.perf_counter, window: int = DRIFT_WINDOW,
-                 tolerance: float = DRIFT, times: Optional[CycleTimes] = None):
+                 tolerance: float = DRIFT, times: Optional[CycleTimes] = None, weigh: bool = True):
         self.curve = curve
         self.on_drift = on_drift
         self.clock = clock
         self.tolerance = tolerance
         self.times = times or CycleTimes(window)
+        self.weigh = weigh
         self.last: Optional[float] = None
         self.drifted = False
         self.factors = (1.0, 1.0)
@@ -91,7 +97,11 @@ class DriftWatch:
 
     def _rescale(self) -> None:
         step = lambda r: 2 ** (round(math.log2(max(statistics.median(r), 1e-9)) * 8) / 8)  # noqa: E731
-        plain, speculative = (step(r) if len(r) >= SETTLED else None for r in (self.times.of(False), self.times.of(True)))
+        timed = (self.times.of(False), self.times.of(True))
+        if not (self.weigh or self.drifted):
+            self.factors = (1.0, 1.0)
+            return
+        plain, speculative = (step(r) if len(r) >= SETTLED else None for r in timed)
         self.factors = (plain or speculative or 1.0, speculative or plain or 1.0)
 
     def factor(self, block_size: int) -> float:
