@@ -24,7 +24,7 @@ from .errors import DFlashError
 from .kv_quantization import DEFAULT_QUANTIZED_KV_START, KVQuantization
 from .loop import cost_curve as costs
 from .loop import (AdaptiveBlock, BlockSampler, ContextCache, DriftWatch, FixedBlock, SamplingParams,
-                   SpeculativeDecoder, Watched, proposer_for, times_for)
+                   SpeculativeDecoder, Watched, proposer_for)
 from .targets import check_forward
 from .targets import Target
 from .tree import TreeDecoder
@@ -306,7 +306,7 @@ def stream_generate(
                               prefill_step_size, sampler, context.target, context.tokens, kv)
     else:
         if block_size == validate.AUTO:
-            policy = auto_policy(plain, draft, cost_curve, sampled=not sampler.greedy)
+            policy = auto_policy(plain, draft, cost_curve)
             if confidence_schedule and schedules(draft):  # a DSpark draft verifies what pays, by c_k
                 proposer.schedule_by(policy.costs)
         else:
@@ -378,22 +378,17 @@ def schedules(draft: DFlashDraft) -> bool:
 
 
 def auto_policy(target: Target, draft: DFlashDraft,
-                curve: Union[costs.CostCurve, Watched, None], sampled: bool = False) -> AdaptiveBlock:
+                curve: Union[costs.CostCurve, Watched, None]) -> AdaptiveBlock:
     """``block_size="auto"``'s policy: on the given curve as it is; on a
-    ``Watched`` one, at the costs its cycles are observed to take; or on the
-    pair's measured one, watched so and measured again next time once the
-    cycles drift far from it (``loop/drift_watch.py``). A ``sampled``
-    generation is weighed by the curve alone until its own cycles drift from
-    it, so that a seed gives the same tokens whatever earlier runs timed."""
-    if curve is not None and not isinstance(curve, Watched):
+    ``Watched`` one watched for drift; or on the pair's measured one, watched
+    so and measured again next time once the cycles drift from it."""
+    if isinstance(curve, Watched):
+        return AdaptiveBlock(curve.curve, draft.config.block_size, watch=DriftWatch(curve.curve))
+    if curve is not None:
         return AdaptiveBlock(curve, draft.config.block_size)
-    forget = None
-    if curve is None:
-        curve = Watched(costs.cost_curve(target, draft))
-        forget = lambda: costs.forget(target, draft)  # noqa: E731
-    times = None if sampled else times_for(curve.curve)
-    watch = DriftWatch(curve.curve, on_drift=forget, times=times, weigh=not sampled)
-    return AdaptiveBlock(curve.curve, draft.config.block_size, watch=watch)
+    curve = costs.cost_curve(target, draft)
+    watch = DriftWatch(curve, on_drift=lambda: costs.forget(target, draft))
+    return AdaptiveBlock(curve, draft.config.block_size, watch=watch)
 
 
 @keywords(*inspect.signature(stream_generate).parameters)

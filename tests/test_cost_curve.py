@@ -11,7 +11,7 @@ from mlx_lm import load as mlx_lm_load
 from dflash_mlx import Target, load_draft
 from dflash_mlx.loop import cost_curve as cc
 from dflash_mlx.loop.cost_curve import CostCurve
-from dflash_mlx.loop.drift_watch import SETTLED, CycleTimes, DriftWatch, Watched, times_for
+from dflash_mlx.loop.drift_watch import DriftWatch, Watched
 
 SYNTHETIC = CostCurve((1, 2, 4, 8), (1.0, 2.0, 4.0, 6.0), (0.0, 1.0, 3.0, 5.0))
 
@@ -296,20 +296,11 @@ def _cycles(watch, clock, seconds, blocks, context=100):
         watch.cycle_done(b, context)
 
 
-def test_cycles_near_the_curve_are_no_drift_but_weighed_as_observed():
-    """Cycles 1.3x the curve's price: nothing to measure again, but the
-    policy weighs each kind at its observed ratio (to 1/8 of an octave), once
-    ``SETTLED`` of that kind were timed, from the first of them on in the
-    next generation that shares their times."""
+def test_cycles_near_the_curve_are_no_drift():
     clock, drifted = Clock(), []
-    times = CycleTimes(8)
-    watch = DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8, times=times)
-    _cycles(watch, clock, lambda b: 1.3 * CONTEXTUAL.cycle_seconds(b, 100), [2] * (SETTLED - 1))
-    assert watch.factor(2) == 1.0  # not yet settled
+    watch = DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)
     _cycles(watch, clock, lambda b: 1.3 * CONTEXTUAL.cycle_seconds(b, 100), [1, 1, 2] * 20)
-    assert not drifted and watch.factor(1) == watch.factor(2) == 2 ** (3 / 8)
-    assert DriftWatch(CONTEXTUAL, None, clock, times=times).factor(1) == 2 ** (3 / 8)
-    assert DriftWatch(CONTEXTUAL, None, clock).factor(1) == 1.0  # its own times: none yet
+    assert not drifted and watch.factor(1) == watch.factor(2) == 1.0
 
 
 def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
@@ -320,7 +311,7 @@ def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
     clock, drifted = Clock(), []
     watch = DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8)
     slowed = lambda b: CONTEXTUAL.cycle_seconds(b, 100) * (2.0 if b == 1 else 1.0)  # noqa: E731
-    _cycles(watch, clock, slowed, [1] * 7 + [2] * SETTLED)
+    _cycles(watch, clock, slowed, [1] * 7 + [2, 2, 2])
     assert not drifted  # seven plain steps timed: not yet a window's worth
     _cycles(watch, clock, slowed, [1] * 3)
     assert drifted == [True] and watch.factor(1) == 2.0 and watch.factor(2) == 1.0
@@ -328,7 +319,7 @@ def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
     assert drifted == [True]  # once
     fresh = DriftWatch(CONTEXTUAL, None, clock, window=8)
     _cycles(fresh, clock, slowed, [1] * 9)
-    assert fresh.drifted and fresh.factor(1) == fresh.factor(2) == 2.0  # not yet timed: off as the plain steps are
+    assert fresh.drifted and fresh.factor(1) == 2.0 and fresh.factor(2) == 1.0  # not yet timed: tried as priced
     curve = CostCurve((1, 2), (1.0, 2.2), (0.0, 0.1))  # b = 2 nearly pays at tau 1.6 ...
     policy = AdaptiveBlock(curve, 2, watch=watch)
     assert AdaptiveBlock(curve, 2).choose() == 1
@@ -370,21 +361,3 @@ def test_every_rank_gets_the_whole_curve():
 
     curve = CostCurve((1, 2, 4), (1.0, 2.0, 4.0), (0.0, 1.0, 3.0), 100, (0.25, 0.5, 0.75), (0.0, 0.125, 0.125), 0.5)
     assert shared_cost_curve(None, None, mx.distributed.init(), curve) == curve  # values exact in float32
-
-
-def test_a_sampled_generation_is_weighed_by_the_curve_until_it_drifts(pair):
-    """Seeded draws follow the blocks: a sampled generation's watch keeps the
-    curve's prices (its own times, nothing shared) until its cycles drift past
-    the tolerance, so the same seed gives the same tokens whatever ran before."""
-    from dflash_mlx.generate import auto_policy
-
-    clock = Clock()
-    watch = DriftWatch(CONTEXTUAL, None, clock, window=8, weigh=False)
-    _cycles(watch, clock, lambda b: 1.3 * CONTEXTUAL.cycle_seconds(b, 100), [1, 2] * 20)
-    assert watch.factor(1) == watch.factor(2) == 1.0  # 1.3x: near the curve
-    _cycles(watch, clock, lambda b: 2.0 * CONTEXTUAL.cycle_seconds(b, 100), [1, 2] * 20)
-    assert watch.drifted and watch.factor(1) == watch.factor(2) == 2.0
-    target, draft = pair
-    sampled, greedy = (auto_policy(target, draft, Watched(CONTEXTUAL), sampled=s) for s in (True, False))
-    assert not sampled.watch.weigh and sampled.watch.times is not times_for(CONTEXTUAL)
-    assert greedy.watch.weigh and greedy.watch.times is times_for(CONTEXTUAL)
