@@ -242,9 +242,14 @@ class DSparkDraft(DFlashDraft):
         """c_k [n] from hidden [n, H] and the tokens x_{k-1} [n] before each slot's draft."""
         if self.confidence_head is None:
             return None
+        return self.confidence_head(self.confidence_features(hidden, previous))
+
+    def confidence_features(self, hidden: mx.array, previous: mx.array) -> mx.array:
+        """What the confidence head reads: hidden [..., H], with W1[x_{k-1}]
+        beside it where the config says (``confidence_head_with_markov``)."""
         if self.config.confidence_head_with_markov:
             hidden = mx.concatenate([hidden, self.markov_head.markov_w1(previous).astype(hidden.dtype)], axis=-1)
-        return self.confidence_head(hidden)
+        return hidden
 
 
 def network_class(config: DraftConfig) -> type:

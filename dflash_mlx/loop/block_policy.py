@@ -64,7 +64,7 @@ drafts accepted per cycle in the first 8 generated tokens, 2.3 in the next
 8, about 4 from the 32nd on), which is also why speculation on the prior
 alone must promise ``PRIOR_MARGIN`` (50%) over plain steps: a curve that
 prices a cycle at 2.5 plain steps would otherwise start each generation on
-cycles that fail, and the backoff of the probes after them keep it plain
+cycles that fail, and the backoff of the probes after them keeps it plain
 where the text turns predictable. A probe's
 outcome, either kind, weighs ``PROBE_RATE`` in each c_i it reached, more
 than a speculative cycle's ``RATE``.
@@ -223,7 +223,7 @@ class AdaptiveBlock:
         after k probes that found nothing since a speculative cycle last paid
         for itself, and then at least as many as make the probe's loss
         ``PROBE_BACKOFF_BUDGET`` of their time (a dear probe, at a long
-        context, backs off faster); at most the spacing at which its loss is
+        context, waits longer); at most the spacing at which its loss is
         ``probe_budget`` of their time, and at least ``probe_every``."""
         loss = self.probe_loss(probe) / self.cycle_seconds(1)  # in plain steps
         backoff = self.probe_every * 2**self.failed_probes

@@ -143,8 +143,8 @@ class DSparkProposer(DraftProposer):
         self.widest = draft.config.block_size  # the widest block it drafts: the anchor and gamma drafts
 
     def schedule_by(self, costs) -> None:
-        """Verify by a ``ConfidenceSchedule`` over ``costs`` where the draft has a confidence head."""
-        self.schedule = None if self.draft.confidence_head is None else ConfidenceSchedule(costs)
+        """Verify by a ``ConfidenceSchedule`` over ``costs`` (a draft with a confidence head)."""
+        self.schedule = ConfidenceSchedule(costs)
 
     def block_hidden(self, y: mx.array, block_size: int) -> mx.array:
         return self.draft(self.embed(self.draft.block_ids(y)), self.cache)[0, : block_size - 1]

@@ -37,9 +37,7 @@ CE_WEIGHT, L1_WEIGHT = 0.1, 0.9
 def confidence_logits(draft: DSparkDraft, hidden: mx.array, previous: mx.array) -> mx.array:
     """The confidence head's pre-sigmoid logits [...] (``DSparkDraft.confidence``
     is their sigmoid) from hidden [..., H] and the tokens x_{k-1} [...]."""
-    if draft.config.confidence_head_with_markov:
-        hidden = mx.concatenate([hidden, draft.markov_head.markov_w1(previous).astype(hidden.dtype)], axis=-1)
-    return draft.confidence_head.proj(hidden)[..., 0].astype(mx.float32)
+    return draft.confidence_head.proj(draft.confidence_features(hidden, previous))[..., 0].astype(mx.float32)
 
 
 def dspark_loss(draft: DSparkDraft, hidden: mx.array, logits: mx.array, tokens: mx.array,
