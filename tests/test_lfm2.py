@@ -95,13 +95,13 @@ def test_rollback_to_every_kept_length_is_feeding_the_kept_tokens_alone(loaded, 
         target.forward(block[None, :keep], alone, [0])
         for i, (got, want, kind) in enumerate(zip(rolled, alone, target.kinds)):
             if kind is SHORT_CONV:
-                assert got[0].shape == want[0].shape and mx.allclose(got[0], want[0], atol=1e-5).item(), i
+                assert got[0].shape == want[0].shape and mx.allclose(got[0], want[0], rtol=1e-4, atol=1e-4).item(), i
                 shifted = forward.records[i].conv_input[:, keep - 1 : keep + 1]  # one row early
                 assert not mx.allclose(shifted, want[0], atol=1e-3).item()
             else:
                 assert got.offset == want.offset == prompt.shape[1] + keep
                 for a, b in zip(got.keys_and_values(), want.keys_and_values()):
-                    assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item(), i
+                    assert a.shape == b.shape and mx.allclose(a, b, rtol=1e-4, atol=1e-4).item(), i
 
 
 @pytest.mark.parametrize("family", FAMILIES)
