@@ -15,7 +15,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 
 from checkpoints import text_config, write_draft
-from dflash_mlx import DFlashError, Target, batch_generate, generate, load_draft
+from dflash_mlx import DFlashError, Target, generate, load_draft
 from dflash_mlx.draft import DSparkConfig, DSparkDraft
 from dflash_mlx.loop.decoder import DSparkProposer, SpeculativeDecoder
 from dflash_mlx.loop.sampling import BlockSampler, SamplingParams
@@ -124,7 +124,6 @@ WRONG = {
                                              sliding_window=8), "no mask"),
     "embedding output": (lambda cfg: cfg.update(target_layer_ids=[-1, 3]), "embedding output"),
     "last layer": (lambda cfg: cfg.update(target_layer_ids=[1, 5]), "must increase"),
-    "gemma4": (lambda cfg: cfg.update(architectures=["Gemma4DSparkModel"]), "not supported yet"),
     "speculators eagle3": (lambda cfg: cfg.update(speculators_config={"algorithm": "eagle3"}), "not a DSpark draft"),
 }
 
@@ -185,7 +184,12 @@ def reference(w, cfg, features, anchor, slot0=True, markov=True, shift=0, cumula
         gate = h @ p("mlp.gate_proj").T
         x = x + (gate / (1 + np.exp(-gate)) * (h @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
     hidden = rms(x, w["norm.weight"])[0 if slot0 else 1 :]
-    U = hidden @ w["lm_head.weight"].T
+    return markov_walk(w, hidden, hidden @ w["lm_head.weight"].T, anchor, gamma, markov, cumulative, kept)
+
+
+def markov_walk(w, hidden, U, anchor, gamma, markov=True, cumulative=False, kept=None):
+    """(U, greedy drafts, c) of the Markov walk and the confidence head in float64
+    from the slots' normed hidden states and base logits U (``reference``'s keywords)."""
     W1, W2 = w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
     if kept is not None:  # W2 has a row per kept id
         U = np.where(np.isin(np.arange(U.shape[-1]), kept), U, -np.inf)
@@ -351,11 +355,3 @@ def assert_every_acceptance_length(model, tokenizer, path):
 def test_every_acceptance_length_stays_lossless(loaded, family):
     model, tokenizer, path, _ = loaded[family]
     assert_every_acceptance_length(model, tokenizer, path)
-
-
-def test_the_batch_refuses_a_dspark_draft_in_one_line(loaded):
-    model, tokenizer, path, _ = loaded["qwen3"]
-    with pytest.raises(DFlashError, match="DSpark drafts do not run batched") as e:
-        batch_generate(model, load_draft(str(path)), tokenizer, [tokenizer.encode("hi")] * 2, max_tokens=4,
-                       block_size=GAMMA + 1)
-    assert "\n" not in str(e.value)

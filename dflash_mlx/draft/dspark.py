@@ -28,8 +28,8 @@ import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
 from . import dflash2
-from .dspark_packaging import DEEPSPEC as ARCHITECTURE
-from .dspark_packaging import deepspec_layout, packaging
+from .dspark_gemma4 import Gemma4DraftLayer
+from .dspark_packaging import DEEPSPEC, GEMMA4, deepspec_layout, packaging
 from .model import FULL, DFlashDraft, DraftConfig
 from .vocab import SubsetHead, head_over, place
 from ..errors import DFlashError
@@ -53,7 +53,9 @@ def is_dspark(config: dict[str, Any]) -> bool:
 @dataclass
 class DSparkConfig(DraftConfig):
     """A DraftConfig (``block_size`` = gamma + 1) plus the DSpark heads' keys,
-    the RoPE layout and the reduced drafting vocabulary's size (None: all ids)."""
+    the RoPE layout, the reduced drafting vocabulary's size (None: all ids)
+    and the backbone's layer: ``"qwen3"`` or ``"gemma4"`` (``Gemma4DSparkModel``,
+    whose K may serve as V: ``attention_k_eq_v``)."""
 
     num_anchors: int = 0  # training only, but DeepSpec requires it
     enable_confidence_head: bool = False
@@ -62,6 +64,8 @@ class DSparkConfig(DraftConfig):
     markov_head_type: str = "vanilla"
     rope_traditional: bool = False  # interleaved pairs (``rope_is_neox_style: false``)
     draft_vocab_size: Optional[int] = None
+    layer_family: str = "qwen3"
+    attention_k_eq_v: bool = False
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "DSparkConfig":
@@ -96,6 +100,8 @@ class DSparkConfig(DraftConfig):
             markov_head_type=str(cfg.get("markov_head_type", "vanilla")),
             rope_traditional=cfg.get("rope_is_neox_style", True) is False,
             draft_vocab_size=None if cfg.get("draft_vocab_size") is None else int(cfg["draft_vocab_size"]),
+            layer_family=str(cfg.get("layer_family", "qwen3")),
+            attention_k_eq_v=bool(cfg.get("attention_k_eq_v", False)),
         )
         config.validate()
         return config
@@ -124,8 +130,13 @@ class DSparkConfig(DraftConfig):
         """DeepSpec's layout: the trained block and every key flat."""
         cfg = super().to_dict()
         dflash = cfg.pop("dflash_config")
-        cfg.update(dflash, architectures=[ARCHITECTURE], tie_word_embeddings=False, block_size=self.block_size - 1)
+        cfg.update(dflash, architectures=[DEEPSPEC], tie_word_embeddings=False, block_size=self.block_size - 1)
         cfg.update({key: getattr(self, key) for key in _HEAD_KEYS})
+        if self.layer_family == "gemma4":  # Gemma 4's text config, as its full-attention layers read it
+            rope = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
+            cfg.update(architectures=[GEMMA4], model_type="gemma4_text", global_head_dim=self.head_dim,
+                       num_global_key_value_heads=self.num_key_value_heads, attention_k_eq_v=self.attention_k_eq_v,
+                       rope_parameters={"full_attention": rope}, rope_scaling=None)
         if self.rope_traditional:
             cfg["rope_is_neox_style"] = False
         if self.draft_vocab_size is not None:
@@ -252,11 +263,22 @@ class DSparkDraft(DFlashDraft):
         return hidden
 
 
+class Gemma4DSparkDraft(DSparkDraft):
+    """The DSpark network with Gemma 4's layer (``dspark_gemma4.py``)."""
+
+    layer_class = Gemma4DraftLayer
+
+
 def network_class(config: DraftConfig) -> type:
     """The draft network a parsed config describes (v1, DFlash2 or DSpark)."""
-    return DSparkDraft if isinstance(config, DSparkConfig) else dflash2.network_class(config)
+    if isinstance(config, DSparkConfig):
+        return Gemma4DSparkDraft if config.layer_family == "gemma4" else DSparkDraft
+    return dflash2.network_class(config)
 
 
 def draft_classes(config: dict[str, Any]) -> tuple[type, type]:
     """(network, config) classes a config.json names (by its ``architectures``)."""
-    return (DSparkDraft, DSparkConfig) if is_dspark(config) else dflash2.draft_classes(config)
+    kind = packaging(config)
+    if kind is None:
+        return dflash2.draft_classes(config)
+    return (Gemma4DSparkDraft if kind == "gemma4" else DSparkDraft), DSparkConfig

@@ -3,6 +3,10 @@
 
 - DeepSpec's (``architectures: ["Qwen3DSparkModel"]``): the layout itself; every
   key required, no defaults.
+- DeepSpec's for Gemma 4 (``Gemma4DSparkModel``): the same keys on a copy of
+  Gemma 4's text config, read as its full-attention layers read it (head width
+  ``global_head_dim``, K = V heads, the ``full_attention`` RoPE); the network's
+  layer is Gemma 4's (``dspark_gemma4.py``).
 - LiquidAI's (``Lfm2DSparkDraftModel``): the same network with the context keys
   (``mask_token_id``, ``target_layer_ids``, ``num_target_layers``) nested in
   ``dflash_config``, interleaved RoPE (``rope_is_neox_style: false``), tensor
@@ -19,8 +23,8 @@ from typing import Any, Optional
 from ..errors import DFlashError
 
 DEEPSPEC = "Qwen3DSparkModel"
+GEMMA4 = "Gemma4DSparkModel"
 LIQUID = "Lfm2DSparkDraftModel"
-NOT_YET = ("Gemma4DSparkModel",)
 # LiquidAI's context keys, nested where z-lab's DFlash configs keep them
 _NESTED = ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
            "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
@@ -30,20 +34,17 @@ _SPECULATORS_DEFAULTS = {"markov_rank": 0, "markov_head_type": "vanilla", "enabl
 
 
 def packaging(config: dict[str, Any]) -> Optional[str]:
-    """'deepspec', 'liquid', 'speculators' or None (not a DSpark draft); DFlashError
-    for a DSpark packaging not supported yet."""
+    """'deepspec', 'gemma4', 'liquid', 'speculators' or None (not a DSpark draft);
+    DFlashError for a speculators-format draft of another kind."""
     names = config.get("architectures") or []
-    later = [n for n in names if n in NOT_YET]
-    if later:
-        raise DFlashError(f"{later[0]} (DSpark) drafts are not supported yet; a DSpark draft must be "
-                          f"DeepSpec's {DEEPSPEC}, LiquidAI's {LIQUID} or a speculators-format dspark")
     if "speculators_config" in config:
         kind = config.get("speculators_model_type") or (config["speculators_config"] or {}).get("algorithm")
         if kind != "dspark":
             raise DFlashError(f"speculators-format draft of type '{kind}' is not a DSpark draft; "
                               "only speculators_model_type 'dspark' is supported")
         return "speculators"
-    return "deepspec" if DEEPSPEC in names else "liquid" if LIQUID in names else None
+    kinds = {DEEPSPEC: "deepspec", GEMMA4: "gemma4", LIQUID: "liquid"}
+    return next((kinds[n] for n in names if n in kinds), None)
 
 
 def deepspec_layout(config: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +55,23 @@ def deepspec_layout(config: dict[str, Any]) -> dict[str, Any]:
         return _liquid(config)
     if kind == "speculators":
         return _speculators(config)
+    if kind == "gemma4":
+        return _gemma4(config)
     return config
+
+
+def _gemma4(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's text config as its full-attention layers read it (mlx-lm's own
+    ``ModelArgs``, so a key left out takes Gemma 4's default), in the flat keys
+    of the draft config, plus ``attention_k_eq_v`` and ``layer_family``."""
+    from mlx_lm.models.gemma4_text import ModelArgs
+
+    args = ModelArgs.from_dict(config)
+    k_eq_v = bool(args.attention_k_eq_v)
+    heads = args.num_global_key_value_heads if k_eq_v and args.num_global_key_value_heads else args.num_key_value_heads
+    return {**config, "head_dim": args.global_head_dim or args.head_dim, "num_key_value_heads": heads,
+            "rope_parameters": dict(args.rope_parameters.get("full_attention") or {}), "rope_scaling": None,
+            "attention_k_eq_v": k_eq_v, "layer_family": "gemma4"}
 
 
 def _liquid(config: dict[str, Any]) -> dict[str, Any]:

@@ -161,7 +161,7 @@ class InjectionPlan:
         arrays = []
         for layer in draft.layers:
             attn = layer.self_attn
-            for proj in (attn.k_proj, attn.v_proj):
+            for proj in (attn[name] for name in ("k_proj", "v_proj") if name in attn):  # Gemma 4's K = V: no v_proj
                 arrays += [proj[n] for n in _PROJ_ARRAYS if n in proj]
             arrays += [attn.k_norm.weight, attn.rope]
         return tuple(arrays)
@@ -210,6 +210,8 @@ def plan_reason(draft: Any) -> tuple[Optional[RopeTable], Optional[str]]:
     if not draft.layers:
         return None, "the draft has no layers"
     attn0 = draft.layers[0].self_attn
+    if hasattr(attn0, "v_norm"):
+        return None, "the draft's values are RMS-normed (Gemma 4's v_norm), which the kernel does not do"
     table, reason = rope_table(attn0.rope, attn0.head_dim)
     if reason:
         return None, reason
