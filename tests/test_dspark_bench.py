@@ -157,6 +157,10 @@ def test_bench_predict_prices_the_dspark_presets():
             "a DSpark draft drafts at most its trained block of 8")
 
 
-def test_bench_predict_concurrency_refuses_a_dspark_draft():
-    refused(["bench", "--predict", "--preset", "qwen3-8b-dspark", "--concurrency", "2"],
-            "the batch decoder, which does not run DSpark drafts yet")
+def test_bench_predict_concurrency_prices_a_dspark_draft_up_to_its_trained_block():
+    done = CliRunner().invoke(app, ["bench", "--predict", "--preset", "qwen3-8b-dspark", "--concurrency", "1,4",
+                                    "--chip", "M5 Max"])
+    assert done.exit_code == 0, done.output
+    assert "b=8" in done.output
+    refused(["bench", "--predict", "--preset", "qwen3-8b-dspark", "--concurrency", "2", "-b", "9"],
+            "a DSpark draft drafts at most its trained block of 8")

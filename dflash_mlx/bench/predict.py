@@ -145,9 +145,7 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
         raise DFlashError(f"--draft-vocab must be at most the target's vocabulary size {vocab}, got {draft_vocab}")
     share = 1.0 if draft_vocab is None else draft_vocab / vocab
     trained = draft_classes(draft_cfg)[1].from_dict(draft_cfg).block_size
-    if dp.architecture == "dspark" and max(block_sizes or [trained]) > trained:
-        raise DFlashError(f"a DSpark draft drafts at most its trained block of {trained} (gamma {trained - 1} "
-                          f"drafts and the anchor); give --block-size up to {trained}")
+    check_trained_block(dp.architecture == "dspark", block_sizes or [trained], trained)
 
     # tau per block size: given, measured (with its per-position acceptance), or the preset's
     sources: dict[int, tuple[float, int, Optional[list[float]], str]] = {}
@@ -225,6 +223,13 @@ def main_predict(*, model: Optional[str], draft: Optional[str], preset: Optional
     return report
 
 
+def check_trained_block(dspark: bool, sizes: list[int], trained: int) -> None:
+    """A DSpark draft drafts no block wider than its trained one (DFlashError)."""
+    if dspark and max(sizes) > trained:
+        raise DFlashError(f"a DSpark draft drafts at most its trained block of {trained} (gamma {trained - 1} "
+                          f"drafts and the anchor); give --block-size up to {trained}")
+
+
 def _row(pred: cm.Prediction, chip, kind: str, **tree) -> dict:
     """A prediction as the report's row: the figures, where tau came from, the chip."""
     return {**pred.to_dict(), "tau_source": kind, "bandwidth_gbs": chip.bandwidth_gbs,
@@ -248,10 +253,9 @@ def main_predict_batch(*, model: Optional[str], draft: Optional[str], preset: Op
     if tau is not None:
         validate.real(tau, "--tau", low=1.0)
     target_cfg, draft_cfg, names, _, preset_tau = _configs(model, draft, preset, None)
-    if is_dspark(draft_cfg):
-        raise DFlashError("--predict --concurrency prices the batch decoder, which does not run DSpark drafts yet")
     trained = draft_classes(draft_cfg)[1].from_dict(draft_cfg).block_size
     sizes = block_sizes or [trained]
+    check_trained_block(is_dspark(draft_cfg), sizes, trained)
     if tau is None and preset_tau is None:
         raise DFlashError("--predict --concurrency needs tau: give --tau T or --preset NAME")
     t0, b0 = (tau, sizes[0]) if tau is not None else (preset_tau, trained)

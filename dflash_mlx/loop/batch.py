@@ -22,13 +22,12 @@ from typing import Any, Optional, Union
 
 import mlx.core as mx
 
-from ..draft import DFlashDraft, DraftContextCache, DSparkDraft, SubsetHead
-from ..errors import DFlashError
+from ..draft import DFlashDraft, DraftContextCache, SubsetHead
 from ..targets import RowKVCache, Target, extend_rows
 from .batch_policy import FixedRows
 from .batch_prefill import prefill_together
-from .decoder import (NON_FINITE, ContextCache, DFlash2Proposer, Probe, Proposer, SpeculativeDecoder, proposer_for,
-                      sound_logits)
+from .decoder import (NON_FINITE, ContextCache, DFlash2Proposer, DSparkProposer, Probe, Proposer, SpeculativeDecoder,
+                      proposer_for, sound_logits)
 from .sampling import BlockSampler, log_probs
 from .verify import greedy_verify
 
@@ -84,13 +83,14 @@ class RowCycle:
 class DraftRows:
     """Drafts every row's block in one pass of the DFlash draft over per-row
     context caches (``targets/rows.py``'s ``RowKVCache``, each row at its own
-    position), with the target's embedding and head as a request alone has them."""
+    position), with the target's embedding and head as a request alone has them.
+    A DSpark draft's pass runs its trained-width block; ``widest`` (its
+    ``config.block_size``) is the widest block it drafts, None for the others."""
 
     def __init__(self, draft: DFlashDraft, target: Target, head: Optional[SubsetHead] = None):
-        if isinstance(draft, DSparkDraft):
-            raise DFlashError("DSpark drafts do not run batched yet; generate one request at a time")
         self.draft, self.target, self.head = draft, target, head
         self.proposer = proposer_for(draft, target, [], head)  # its cache: one RowKVCache per draft layer
+        self.widest = getattr(self.proposer, "widest", None)
 
     def solo(self, cache: list) -> Proposer:
         """The proposer a request's prefill injects its prompt through."""
@@ -148,15 +148,16 @@ class DraftRows:
         proposer = self.proposer
         hidden = proposer.block_hidden_rows(ys, block_size)  # [B, b-1, H]
         logits = self.draft.scale_logits(proposer.head(hidden))
-        walk = isinstance(proposer, DFlash2Proposer)
         greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # argmax-only rows' drafts, at once
         sound = sound_logits(logits, axis=(1, 2))  # per row
         drafts = []
         for i, row in enumerate(rows):
-            if not walk and row.sampler.argmax_only:
-                drafted, q = greedy[i], None
-            elif walk:  # DFlash2: the candidate selector's walk, as a request alone drafts
+            if isinstance(proposer, DSparkProposer):  # each row's own Markov walk and sampler; no confidence schedule
+                drafted, q, _ = self.draft.walk(hidden[i], logits[i], ys[i : i + 1], row.sampler.draft)
+            elif isinstance(proposer, DFlash2Proposer):  # the candidate selector's walk, as a request alone drafts
                 drafted, q = proposer.walk(hidden[i], logits[i], ys[i : i + 1], row.sampler)
+            elif row.sampler.argmax_only:
+                drafted, q = greedy[i], None
             else:
                 drafted, q = row.sampler.draft(logits[i])
             drafts.append((drafted, q, sound[i]))
@@ -261,6 +262,7 @@ class BatchDecoder:
     def choose_block(self) -> int:
         left = [r.tokens_left() for r in self.rows]
         b = self.policy.choose(self.rows)
+        b = min(b, getattr(self.drafter, "widest", None) or b)  # a DSpark draft: its trained block at most
         if None not in left:  # no row takes more than its tokens left
             b = min(b, max(left))
         return max(1, b)

@@ -1,12 +1,11 @@
 """The lossless block speculative loop, one cycle at a time (docs/architecture.md,
 "Prefill", "Verification", "Rollback").
 
-``SpeculativeDecoder`` owns the target cache. Each ``cycle()`` takes the
-proposer's b-1 tokens after the pending token y, verifies [y, d_1..d_{b-1}] in
-one target pass, keeps the accepted prefix plus the target's own next token
-(greedy match, or rejection sampling at temperature > 0), rolls the cache back
-exactly and hands the accepted positions' features to the proposer. The host
-reads one small result per cycle.
+``SpeculativeDecoder`` owns the target cache. Each ``cycle()`` takes the proposer's b-1
+tokens after the pending token y, verifies [y, d_1..d_{b-1}] in one target pass, keeps the
+accepted prefix plus the target's own next token (greedy match, or rejection sampling at
+temperature > 0), rolls the cache back exactly and hands the accepted positions' features
+to the proposer. The host reads one small result per cycle.
 """
 
 from dataclasses import dataclass, field
@@ -135,7 +134,7 @@ class DSparkProposer(DraftProposer):
     """Proposes with a DSpark draft (``draft/dspark.py``): slot k-1 of its
     trained-width block predicts x_k (so no more than gamma drafts), its Markov
     walk chooses them, ``confidence`` holds the walk's c_k (unevaluated), and a
-    ``schedule`` (``schedule_by``) keeps only the drafts worth verifying."""
+    ``schedule`` (``schedule_by``; a request alone) keeps only the drafts worth verifying."""
 
     def __init__(self, draft: DSparkDraft, target: Target, cache: Optional[list] = None, head=None):
         super().__init__(draft, target, cache, draft.drafting_head(target, head))
@@ -146,8 +145,9 @@ class DSparkProposer(DraftProposer):
         """Verify by a ``ConfidenceSchedule`` over ``costs`` (a draft with a confidence head)."""
         self.schedule = ConfidenceSchedule(costs)
 
-    def block_hidden(self, y: mx.array, block_size: int) -> mx.array:
-        return self.draft(self.embed(self.draft.block_ids(y)), self.cache)[0, : block_size - 1]
+    def block_hidden_rows(self, ys: mx.array, block_size: int) -> mx.array:
+        block = mx.concatenate([self.draft.block_ids(ys[i : i + 1]) for i in range(ys.size)])  # the trained width
+        return self.draft(self.embed(block), self.cache)[:, : block_size - 1]
 
     def draft_block(self, y: mx.array, block_size: int, sampler: BlockSampler):
         hidden, logits = self._rows(y, block_size)
