@@ -15,6 +15,7 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 from test_batch import assert_row_caches_equal, solo_caches
 from test_dspark import GAMMA, greedy_reference, write_dspark_draft
+from test_dspark_gemma4 import write_gemma4_dspark_draft
 from test_sampling import PROMPT, V, WRONG_RULES, RuleSampler, build_target, exact_joint, pvalues
 
 from dflash_mlx import Target, batch_generate, generate, load_draft
@@ -55,6 +56,21 @@ def test_every_row_is_mlx_lms_greedy_output_and_its_solo_run(loaded, family, blo
         solo = generate(model, draft, tokenizer, prompt, max_tokens=limit, block_size=block_size)
         assert result.tokens == solo.tokens
         assert max(result.block_sizes) == GAMMA + 1  # never wider than trained
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma4"])
+def test_gemma4_dspark_rows_are_mlx_lms_greedy_output(tmp_path, target_dirs, family):
+    """A DSpark draft with Gemma 4's layer (``Gemma4DSparkModel``) batches too."""
+    model, tokenizer = mlx_lm_load(str(target_dirs[family]))
+    write_gemma4_dspark_draft(tmp_path, model, json.loads((target_dirs[family] / "config.json").read_text()))
+    draft = load_draft(str(tmp_path))
+    results = batch_generate(model, draft, tokenizer, PROMPTS[:3], max_tokens=LIMITS[:3], block_size=GAMMA + 1)
+    for prompt, limit, result in zip(PROMPTS, LIMITS, results):
+        ids = tokenizer.encode(prompt)
+        want = greedy_reference(model, ids, limit)
+        eos = tokenizer.eos_token_id
+        assert result.tokens == (want[: want.index(eos)] if eos in want else want)
+        assert max(result.block_sizes) == GAMMA + 1
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=7)])
