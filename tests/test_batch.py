@@ -353,6 +353,37 @@ def test_a_probe_is_judged_per_row_against_its_own_plain_steps(loaded):
         assert len(tokens) == 6 and tokens == continuations[i][len(prompts[i]) :][:6]
 
 
+class ProbeLater(ProbeOnce):
+    """Plain steps only, with one probe of ``block`` due when ``after`` plain steps have been asked for."""
+
+    def __init__(self, block, after):
+        super().__init__(0)
+        self.block, self.asked = block, -after
+
+    def probe(self):
+        self.asked += 1
+        return self.block if self.asked == 0 else 0
+
+
+def test_a_probe_drafted_while_a_plain_step_runs_ahead_is_judged_from_the_token_after_it(loaded):
+    """Mid-run, the next plain step (and the probe drafted from its token) is
+    queued before the step in flight is read: that step's token is the one the
+    probe was drafted from, not one it predicts, so it must not judge it."""
+    model, tokenizer, draft = loaded["llama"]
+    target = Target(model)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    continuations = {i: p + greedy_reference(model, p, 24) for i, p in enumerate(prompts)}
+    oracle = RowOracle(continuations, target.vocab_size)
+    oracle.plan = {0: 3, 1: 1}
+    policy = ProbeLater(4, after=3)
+    decoder = BatchDecoder(target, draft, policy, drafter=oracle)
+    for i, p in enumerate(prompts):
+        decoder.add(mx.array(p), BlockSampler(SamplingParams()), tag=i)
+    for _ in range(10):
+        decoder.cycle()
+    assert policy.outcomes == [(4, [[1.0, 0.0], [1.0, 1.0, 1.0]])]
+
+
 def test_a_row_leaving_mid_probe_leaves_the_others_outcome(loaded):
     model, tokenizer, draft = loaded["llama"]
     target = Target(model)

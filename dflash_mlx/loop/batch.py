@@ -62,12 +62,15 @@ class Row:
 @dataclass
 class QueuedStep:
     """A plain batched step in flight: the rows it fed, each row's next token
-    (argmax-only rows' in ``chosen``, others' in ``own``) and processed logits."""
+    (argmax-only rows' in ``chosen``, others' in ``own``), processed logits,
+    and the probes its tokens judge: those the rows had when it was queued
+    (a probe drafted after it, from the token it makes, starts with the next)."""
 
     rows: list
     chosen: mx.array  # [B]
     own: dict  # id(row) -> token [1]
     processed: dict  # id(row) -> logits [1, V]
+    probes: dict  # id(row) -> Probe
 
 
 @dataclass
@@ -382,7 +385,8 @@ class BatchDecoder:
             processed[id(row)] = row_logits
             row.unobserved.append(out.features[i : i + 1])
         mx.async_eval(chosen, list(own.values()))
-        self.queued = QueuedStep(list(self.rows), chosen, own, processed)
+        probes = {id(row): row.probe for row in self.rows if row.probe is not None}
+        self.queued = QueuedStep(list(self.rows), chosen, own, processed, probes)
 
     def _finish_plain(self, step: "QueuedStep") -> list[RowCycle]:
         """A queued plain step's tokens, for its rows still in the batch."""
@@ -396,7 +400,7 @@ class BatchDecoder:
             row.pending = step.own[key].item() if key in step.own else token
             row.emitted += 1
             self._keep(row, step.processed[key])
-            if row.probe is not None:
+            if row.probe is not None and step.probes.get(key) is row.probe:
                 self._judge_probe(row, step.processed[key])
             cycles.append(RowCycle(row, [row.pending], 0))
         self.policy.update([c.row for c in cycles], 1, [0] * len(cycles))
