@@ -88,7 +88,7 @@ def check_pair(target: Target, draft: DFlashDraft) -> None:
             f"draft vocab_size {cfg.vocab_size} does not match the target's "
             f"{target.vocab_size}; use the draft made for this target"
         )
-    if cfg.num_target_layers != target.num_layers:
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_layers:
         raise DFlashError(
             f"draft num_target_layers {cfg.num_target_layers} does not match the "
             f"target's {target.num_layers} layers; use the draft made for this target"

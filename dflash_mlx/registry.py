@@ -63,13 +63,14 @@ KNOWN_PAIRS: dict[str, Draft] = {
 # training chat mode is not published. Other published DSpark drafts are left
 # out: LiquidAI's LFM2.5 drafts load and
 # their lfm2 targets run, but the targets' hub ids and the drafts' sizes are not
-# confirmed here; Red Hat's Qwen3.6-35B-A3B draft lacks num_target_layers in its
-# config.json; and the community Qwen3.6-27B draft's packaging is not documented.
+# confirmed here; and the community Qwen3.6-27B draft's packaging is not documented.
+# Red Hat's draft is in the speculators format, whose block_size is its gamma.
 DSPARK_DRAFTS: dict[str, Draft] = {
     "Qwen/Qwen3-4B": Draft("deepseek-ai/dspark_qwen3_4b_block7", None, "qwen3", 4.0, 7),
     "Qwen/Qwen3-8B": Draft("deepseek-ai/dspark_qwen3_8b_block7", None, "qwen3", 8.2, 7),
     "Qwen/Qwen3-14B": Draft("deepseek-ai/dspark_qwen3_14b_block7", None, "qwen3", 14.8, 7),
     "google/gemma-4-12B-it": Draft("deepseek-ai/dspark_gemma4_12b_block7", None, "gemma4", 12.0, 7),
+    "Qwen/Qwen3.6-35B-A3B": Draft("RedHatAI/Qwen3.6-35B-A3B-speculator.dspark", None, "qwen3_5_moe", 35.0, 8),
 }
 # every target's default draft: its DFlash draft where it has one
 DEFAULT_DRAFTS = DSPARK_DRAFTS | KNOWN_PAIRS

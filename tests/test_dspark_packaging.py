@@ -194,13 +194,31 @@ def test_every_acceptance_length_stays_lossless(pairs, layout):
     assert_every_acceptance_length(model, tokenizer, root / layout)
 
 
+def test_a_speculators_draft_needs_no_target_layer_count(pairs, target_dirs, tmp_path):
+    """The format does not record the target's layer count: without one the
+    draft loads, the pair check takes the target's, the output stays mlx-lm's,
+    and a conversion keeps it unstated; a target too shallow for its feature
+    layers is refused in one line."""
+    model, tokenizer, root, _ = pairs["qwen3"]
+    path = with_config(tmp_path, root / "speculators", "no-count", lambda cfg: cfg.pop("num_target_layers"))
+    draft = load_draft(path)
+    assert draft.config.num_target_layers is None
+    ids = tokenizer.encode("the quick brown fox")
+    want = greedy_reference(model, ids, 16)
+    assert generate(model, draft, tokenizer, ids, max_tokens=16, block_size=GAMMA + 1).tokens == want
+    assert DSparkConfig.from_dict(draft.config.to_dict()) == draft.config
+    shallow, shallow_tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    shallow.model.layers = shallow.model.layers[: max(draft.config.target_layer_ids)]
+    with pytest.raises(DFlashError, match="out of range") as e:
+        generate(shallow, draft, shallow_tokenizer, ids, max_tokens=4)
+    assert "\n" not in str(e.value)
+
+
 def speculators_edit(edit):
     return lambda cfg: edit(cfg, cfg["speculators_config"]["proposal_methods"][0])
 
 
 WRONG = {
-    "no target layer count": (speculators_edit(lambda cfg, _: cfg.pop("num_target_layers")),
-                              "num_target_layers .*add it to config.json"),
     "no anchor layout": (speculators_edit(lambda cfg, m: (cfg.pop("sample_from_anchor"), m.pop("speculative_tokens"))),
                          "anchor layout is unknown"),
     "fill-in layout": (speculators_edit(lambda cfg, m: (cfg.pop("sample_from_anchor"),

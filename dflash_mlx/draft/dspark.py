@@ -90,9 +90,11 @@ class DSparkConfig(DraftConfig):
             raise DFlashError(f"DSpark draft config block_size is {gamma}; it must be >= 1")
         dflash = {"block_size": gamma + 1, "mask_token_id": cfg["mask_token_id"],
                   "target_layer_ids": cfg["target_layer_ids"]}
-        base = DraftConfig.from_dict({**cfg, "dflash_config": dflash})
+        layers = cfg["num_target_layers"]  # None: not stated (speculators' format), the target's then
+        base = DraftConfig.from_dict({**cfg, "dflash_config": dflash, "num_target_layers": layers or 0})
         config = cls(
-            **{f.name: getattr(base, f.name) for f in fields(DraftConfig)},
+            **{f.name: getattr(base, f.name) for f in fields(DraftConfig) if f.name != "num_target_layers"},
+            num_target_layers=None if layers is None else int(layers),
             num_anchors=int(cfg["num_anchors"]),
             enable_confidence_head=bool(cfg["enable_confidence_head"]),
             confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", False)),
@@ -109,8 +111,10 @@ class DSparkConfig(DraftConfig):
     def validate(self) -> None:
         super().validate()
         ids, L = self.target_layer_ids, self.num_target_layers
-        if any(b <= a for a, b in zip(ids, ids[1:])) or not all(0 <= i < L - 1 for i in ids):
-            raise DFlashError(f"DSpark draft target_layer_ids {ids} must increase within 0..{L - 2} "
+        last = float("inf") if L is None else L - 1  # a layer count not stated: the pair check bounds them
+        if any(b <= a for a, b in zip(ids, ids[1:])) or not all(0 <= i < last for i in ids):
+            within = "0 and up" if L is None else f"0..{L - 2}"
+            raise DFlashError(f"DSpark draft target_layer_ids {ids} must increase within {within} "
                               "(-1, the embedding output, is not supported)")
         if set(self.layer_types) != {FULL} or self.is_causal:
             raise DFlashError("DSpark draft config has sliding or causal layers; "

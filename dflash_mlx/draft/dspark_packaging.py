@@ -13,9 +13,11 @@
   names possibly under ``model.``, no embedding or head of its own.
 - Red Hat's speculators format (``speculators_config``): the backbone in
   ``transformer_layer_config``, the feature layers as ``aux_hidden_state_layer_ids``
-  (the hidden state *entering* each listed layer: ours are one lower), and an
+  (the hidden state *entering* each listed layer: ours are one lower), an
   optional reduced drafting vocabulary (``draft_vocab_size`` ids, the draft's
-  index d standing for target id d + d2t[d]).
+  index d standing for target id d + d2t[d]), and no count of the target's
+  layers (``num_target_layers`` None unless the config adds it: the pair
+  check then takes the target's).
 """
 
 from typing import Any, Optional
@@ -89,14 +91,12 @@ def _speculators(config: dict[str, Any]) -> dict[str, Any]:
     backbone = config.get("transformer_layer_config")
     if not isinstance(backbone, dict):
         raise DFlashError("speculators DSpark draft config.json has no transformer_layer_config")
-    missing = [k for k in ("block_size", "mask_token_id", "aux_hidden_state_layer_ids", "num_target_layers")
-               if config.get(k) is None]
+    missing = [k for k in ("block_size", "mask_token_id", "aux_hidden_state_layer_ids") if config.get(k) is None]
     if missing:
-        hint = " (the target's num_hidden_layers: add it to config.json)" if missing == ["num_target_layers"] else ""
-        raise DFlashError(f"speculators DSpark draft config.json has no {', '.join(missing)}{hint}")
+        raise DFlashError(f"speculators DSpark draft config.json has no {', '.join(missing)}")
     gamma = int(config["block_size"])
     flat = {**backbone, **_SPECULATORS_DEFAULTS, **{k: config[k] for k in _SPECULATORS_DEFAULTS if k in config}}
-    flat.update(block_size=gamma, mask_token_id=config["mask_token_id"], num_target_layers=config["num_target_layers"],
+    flat.update(block_size=gamma, mask_token_id=config["mask_token_id"], num_target_layers=config.get("num_target_layers"),
                 target_layer_ids=[int(i) - 1 for i in config["aux_hidden_state_layer_ids"]],
                 sample_from_anchor=_anchor_first(config, gamma))
     vocab = config.get("draft_vocab_size")

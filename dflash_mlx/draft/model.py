@@ -63,7 +63,7 @@ class DraftConfig:
     intermediate_size: int
     vocab_size: int
     rms_norm_eps: float
-    num_target_layers: int
+    num_target_layers: Optional[int]  # None: the config does not say (a speculators-format DSpark draft)
     block_size: int
     mask_token_id: int
     target_layer_ids: list[int]
