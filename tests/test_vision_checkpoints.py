@@ -229,3 +229,18 @@ def test_generate_image_on_the_command_line_equals_the_python_api(qwen_vision, t
     out = cli(*pair, "--image", tmp_path / "p.png", "--prompt", "what is this")
     assert out.returncode == 0 and out.stdout.strip() == want.text.strip(), out.stderr
     one_error_line(cli(*pair, "--image", tmp_path / "none.png", "--prompt", "x"), "none.png")
+
+
+def test_a_pass_running_past_the_prompt_gets_image_features_only_at_image_rows():
+    """A pass from inside the prompt on past its end (more rows than the
+    prompt has left) takes each image row's features and keeps every other
+    row, those past the prompt included; its positions run on after the prompt's."""
+    from dflash_mlx.vision.target import ImagePrompt
+
+    features = mx.array([[10.0, 10.0], [20.0, 20.0]])
+    prompt = ImagePrompt(features, rows=[-1, 0, 1, -1], positions=mx.array([[0, 1, 1, 2]] * 3), delta=-1)
+    h = mx.zeros((1, 6, 2))
+    merged = prompt.merge(h, 1)  # indices 1..6: two image rows, one text row, three past the prompt
+    assert merged.tolist()[0] == [[10.0, 10.0], [20.0, 20.0]] + [[0.0, 0.0]] * 4
+    assert prompt.pass_positions(1, 6).tolist()[0] == [1, 1, 2, 3, 4, 5]
+    assert prompt.merge(h, 3) is None

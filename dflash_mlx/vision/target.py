@@ -43,11 +43,12 @@ class ImagePrompt:
 
     def merge(self, h: mx.array, start: int) -> Optional[mx.array]:
         """``h`` [1, T, H] at indices start.. with the image rows' features in
-        place; None where the pass holds no image row."""
+        place (a pass may run on past the prompt, whose indices hold none);
+        None where the pass holds no image row."""
         rows = self.rows[start : start + h.shape[1]]
         if not any(r >= 0 for r in rows):
             return None
-        index = mx.array(rows)
+        index = mx.array(rows + [-1] * (h.shape[1] - len(rows)))
         picked = self.features[mx.maximum(index, 0)].astype(h.dtype)
         return mx.where((index >= 0)[None, :, None], picked[None], h)
 
