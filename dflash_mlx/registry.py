@@ -59,18 +59,22 @@ KNOWN_PAIRS: dict[str, Draft] = {
 
 # DSpark drafts (docs/dspark.md) for targets dflash-mlx runs: ``models`` lists
 # them; one is a target's default draft only where the target has none above
-# (Qwen3-14B), else it runs with --draft. The block is the trained gamma. Their
-# training chat mode is not published. Other published DSpark drafts are left
-# out: LiquidAI's LFM2.5 drafts load and
-# their lfm2 targets run, but the targets' hub ids and the drafts' sizes are not
-# confirmed here; and the community Qwen3.6-27B draft's packaging is not documented.
-# Red Hat's draft is in the speculators format, whose block_size is its gamma.
+# (Qwen3-14B and LiquidAI's LFM2.5 targets), else it runs with --draft. The block is
+# the trained gamma. Their training chat mode is not published. LiquidAI's drafts
+# and targets are those its model cards name (the MoE targets are mlx-lm's lfm2_moe);
+# Red Hat's draft is in the speculators format, whose block_size is its gamma. Left
+# out: the community Qwen3.6-27B draft (its packaging is not documented) and
+# LFM2.5-VL-3B's (a vision target).
 DSPARK_DRAFTS: dict[str, Draft] = {
     "Qwen/Qwen3-4B": Draft("deepseek-ai/dspark_qwen3_4b_block7", None, "qwen3", 4.0, 7),
     "Qwen/Qwen3-8B": Draft("deepseek-ai/dspark_qwen3_8b_block7", None, "qwen3", 8.2, 7),
     "Qwen/Qwen3-14B": Draft("deepseek-ai/dspark_qwen3_14b_block7", None, "qwen3", 14.8, 7),
     "google/gemma-4-12B-it": Draft("deepseek-ai/dspark_gemma4_12b_block7", None, "gemma4", 12.0, 7),
     "Qwen/Qwen3.6-35B-A3B": Draft("RedHatAI/Qwen3.6-35B-A3B-speculator.dspark", None, "qwen3_5_moe", 35.0, 8),
+    "LiquidAI/LFM2.5-1.2B-Instruct": Draft("LiquidAI/LFM2.5-1.2B-Instruct-DSpark", None, "lfm2", 1.2, 9),
+    "LiquidAI/LFM2.5-2.6B": Draft("LiquidAI/LFM2.5-2.6B-DSpark", None, "lfm2", 2.6, 9),
+    "LiquidAI/LFM2.5-8B-A1B": Draft("LiquidAI/LFM2.5-8B-A1B-DSpark", None, "lfm2_moe", 8.0, 9),
+    "LiquidAI/LFM2.5-24B-A2B": Draft("LiquidAI/LFM2.5-24B-A2B-DSpark", None, "lfm2_moe", 24.0, 9),
 }
 # every target's default draft: its DFlash draft where it has one
 DEFAULT_DRAFTS = DSPARK_DRAFTS | KNOWN_PAIRS

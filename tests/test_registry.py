@@ -30,6 +30,8 @@ def test_every_entry_runs_here_or_says_why_not():
     ("moonshotai/Kimi-K2.5", None),
     ("mlx-community/Qwen3-14B-4bit", "deepseek-ai/dspark_qwen3_14b_block7"),  # its only draft is DSpark's
     ("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),  # a DFlash draft stays the default beside DSpark's
+    ("mlx-community/LFM2.5-1.2B-Instruct-8bit", "LiquidAI/LFM2.5-1.2B-Instruct-DSpark"),  # LiquidAI's own
+    ("LiquidAI/LFM2.5-24B-A2B", "LiquidAI/LFM2.5-24B-A2B-DSpark"),
 ])
 def test_new_entries_resolve(target, draft):
     assert find_draft(target) == draft
