@@ -21,6 +21,7 @@ from checkpoints import text_config
 from dflash_mlx import generate, load, load_draft
 from dflash_mlx.convert import convert_draft
 from dflash_mlx.draft import DSparkConfig, DSparkDraft
+from dflash_mlx.loop.sampling import SamplingParams
 
 # Gemma 4's values are normed: the draft's KV injection runs layer by layer, and says so once
 pytestmark = pytest.mark.filterwarnings("ignore:dflash-mlx. KV injection runs layer by layer")
@@ -162,6 +163,12 @@ def test_the_draft_follows_the_gemma4_dspark_equations(pairs, family):
     d = cfg["global_head_dim"]
     for mutation in ({"scale": d**-0.5}, {"v_norm": False}, {"layer_scalar": False}, {"rotated": d}):
         assert not agrees(reference(w, cfg, features, anchor, **mutation))[0], mutation
+
+    # at T > 0, q_k is the log-softmax of z_k / T (the capped U plus the Markov term) after the drafts drawn
+    U, drafts, _, q, _, anchor = draft_rows(draft, model, tokenizer, cfg, SamplingParams(temperature=0.8, seed=2))
+    previous = [anchor] + drafts[:-1]
+    z = (U + w["markov_head.markov_w1.weight"][previous] @ w["markov_head.markov_w2.weight"].T) / 0.8
+    assert np.allclose(np.array(q, dtype=np.float64), z - np.log(np.exp(z).sum(-1, keepdims=True)), atol=1e-3)
 
 
 def test_gemma4s_layout_loads_as_its_own_layer(pairs):
