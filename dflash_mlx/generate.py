@@ -306,7 +306,7 @@ def stream_generate(
                               prefill_step_size, sampler, context.target, context.tokens, kv)
     else:
         if block_size == validate.AUTO:
-            policy = auto_policy(plain, draft, cost_curve)
+            policy = auto_policy(plain, draft, cost_curve, sampled=not sampler.greedy)
             if confidence_schedule and schedules(draft):  # a DSpark draft verifies what pays, by c_k
                 proposer.schedule_by(policy.costs)
         else:
@@ -378,16 +378,18 @@ def schedules(draft: DFlashDraft) -> bool:
 
 
 def auto_policy(target: Target, draft: DFlashDraft,
-                curve: Union[costs.CostCurve, Watched, None]) -> AdaptiveBlock:
+                curve: Union[costs.CostCurve, Watched, None], sampled: bool = False) -> AdaptiveBlock:
     """``block_size="auto"``'s policy: on the given curve as it is; on a
     ``Watched`` one watched for drift; or on the pair's measured one, watched
-    so and measured again next time once the cycles drift from it."""
+    so and measured again next time once the cycles drift from it. A
+    ``sampled`` generation is never rescaled by its timings (its seeded draws
+    follow the blocks): its blocks follow the curve and the outcomes alone."""
     if isinstance(curve, Watched):
-        return AdaptiveBlock(curve.curve, draft.config.block_size, watch=DriftWatch(curve.curve))
+        return AdaptiveBlock(curve.curve, draft.config.block_size, watch=DriftWatch(curve.curve, rescale=not sampled))
     if curve is not None:
         return AdaptiveBlock(curve, draft.config.block_size)
     curve = costs.cost_curve(target, draft)
-    watch = DriftWatch(curve, on_drift=lambda: costs.forget(target, draft))
+    watch = DriftWatch(curve, on_drift=lambda: costs.forget(target, draft), rescale=not sampled)
     return AdaptiveBlock(curve, draft.config.block_size, watch=watch)
 
 

@@ -326,6 +326,22 @@ def test_drifted_plain_steps_are_measured_again_and_rescaled_meanwhile():
     assert policy.choose() == 2  # ... and does once plain steps cost twice as much
 
 
+def test_a_sampled_generation_is_told_of_drift_but_keeps_the_curves_prices(pair):
+    """A seed's draws follow the blocks, so a sampled generation's blocks must
+    not follow timings: its watch still forgets the drifted curve, and its
+    factors stay 1; ``stream_generate`` gives a sampled generation such a watch."""
+    clock, drifted = Clock(), []
+    watch = DriftWatch(CONTEXTUAL, lambda: drifted.append(True), clock, window=8, rescale=False)
+    slowed = lambda b: CONTEXTUAL.cycle_seconds(b, 100) * (2.0 if b == 1 else 1.0)  # noqa: E731
+    _cycles(watch, clock, slowed, [1] * 12)
+    assert drifted == [True] and watch.factor(1) == 1.0 and watch.factor(2) == 1.0
+    from dflash_mlx.generate import auto_policy
+
+    target, draft = pair
+    assert not auto_policy(target, draft, Watched(SYNTHETIC), sampled=True).watch.rescale
+    assert auto_policy(target, draft, Watched(SYNTHETIC)).watch.rescale
+
+
 def test_a_watched_curve_is_watched_in_each_generation_and_never_forgotten(pair, target_dirs, tmp_path, monkeypatch,
                                                                           counted):
     """What bench hands its auto runs: the curve as given (nothing measured or

@@ -26,13 +26,16 @@ class DriftWatch:
     again) and ``factor`` gives each kind's median ratio from then on (to 1/8
     of an octave; 1 for a kind not yet timed three times, so that the policy
     tries it rather than assume it drifted alike), by which the policy scales
-    the curve for the rest of the run."""
+    the curve for the rest of the run. With ``rescale=False`` (a sampled
+    generation: its seeded draws follow the blocks, so the blocks must not
+    follow timings) the factors stay 1 and only ``on_drift`` runs."""
 
     def __init__(self, curve: CostCurve, on_drift: Optional[Callable[[], None]] = None,
                  clock: Callable[[], float] = time.perf_counter, window: int = DRIFT_WINDOW,
-                 tolerance: float = DRIFT):
+                 tolerance: float = DRIFT, rescale: bool = True):
         self.curve = curve
         self.on_drift = on_drift
+        self.rescale = rescale
         self.clock = clock
         self.tolerance = tolerance
         self.ratios = {False: deque(maxlen=window), True: deque(maxlen=window)}  # by b > 1
@@ -51,7 +54,7 @@ class DriftWatch:
                     self.drifted = True
                     if self.on_drift:
                         self.on_drift()
-            if self.drifted:
+            if self.drifted and self.rescale:
                 self._rescale()
         self.last = now
 
