@@ -232,10 +232,10 @@ class DSparkDraft(DFlashDraft):
         (U itself without a Markov head)."""
         return logits if self.markov_head is None else logits + self.markov_bias(previous)
 
-    def block_ids(self, anchor: mx.array) -> mx.array:
-        """[1, gamma]: the anchor, then gamma - 1 mask ids (always the trained width)."""
-        masks = mx.full((self.config.block_size - 2,), self.config.mask_token_id, dtype=anchor.dtype)
-        return mx.concatenate([anchor, masks])[None]
+    def block_ids(self, anchors: mx.array) -> mx.array:
+        """[B, gamma]: each of the anchors [B], then gamma - 1 mask ids (always the trained width)."""
+        masks = mx.full((anchors.size, self.config.block_size - 2), self.config.mask_token_id, dtype=anchors.dtype)
+        return mx.concatenate([anchors[:, None], masks], axis=1)
 
     def walk(self, hidden: mx.array, logits: mx.array, anchor: mx.array,
              draw: Callable[[mx.array], tuple[mx.array, Optional[mx.array]]]):

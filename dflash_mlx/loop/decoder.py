@@ -146,8 +146,7 @@ class DSparkProposer(DraftProposer):
         self.schedule = ConfidenceSchedule(costs)
 
     def block_hidden_rows(self, ys: mx.array, block_size: int) -> mx.array:
-        block = mx.concatenate([self.draft.block_ids(ys[i : i + 1]) for i in range(ys.size)])  # the trained width
-        return self.draft(self.embed(block), self.cache)[:, : block_size - 1]
+        return self.draft(self.embed(self.draft.block_ids(ys)), self.cache)[:, : block_size - 1]  # the trained width
 
     def draft_block(self, y: mx.array, block_size: int, sampler: BlockSampler):
         hidden, logits = self._rows(y, block_size)
