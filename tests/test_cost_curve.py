@@ -73,16 +73,35 @@ def test_a_real_measurement_gives_a_valid_curve_over_the_trained_sizes(pair, tmp
     assert cc.cost_curve(target, draft, tmp_path) == curve  # read back, not measured again
 
 
-def test_a_plain_step_is_priced_at_the_median_step_so_one_held_up_step_does_not_move_it(pair):
+def test_the_loops_cycles_are_timed_in_runs_between_plain_steps_each_price_their_median(pair):
+    """Each size runs between runs of plain steps, and only a cycle with its
+    own block on both sides is timed: no switch is in a price, and one
+    held-up cycle does not move it."""
     from dflash_mlx.loop.decoder import SpeculativeDecoder, proposer_for
 
     target, draft = pair
     decoder = SpeculativeDecoder(target, proposer_for(draft, target), draft.config.target_layer_ids, 1)
     decoder.prefill(mx.arange(40, dtype=mx.int32))
-    ticks = iter([0.0, 1.0, 2.0, 12.0, 13.0, 14.0])  # the third of five steps held up for 10 s
-    assert cc.plain_step_seconds(decoder, steps=5, clock=lambda: next(ticks)) == 1.0  # the mean is 2.8
-    assert len(decoder.tokens) == 40 + 2 + 5 + 1  # warm-up, timed, and the step queued after them
+    ran, cycle = [], decoder.cycle
+
+    def logged():
+        ran.append(decoder.block_size)
+        return cycle()
+
+    decoder.cycle = logged
+    now = [0.0]
+
+    def clock():  # a cycle at b takes b seconds, but the third plain step of all, held up, 100
+        if ran:
+            now[0] += 100.0 if len(ran) == 3 else ran[-1]
+        return now[0]
+
+    prices = cc.loop_cycle_seconds(decoder, (1, 2, 4), rounds=2, clock=clock)
+    assert prices == {1: 1.0, 2: 2.0, 4: 4.0}
+    script = [1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, 1, 4, 4, 4, 4] * 2
+    assert ran == ([1] + script)[: len(script)]  # the prefill queued a plain step; the last block is only queued
     assert decoder.proposer.cache[0].offset == len(decoder.tokens)  # closed: every position injected
+    assert len(decoder.tokens) <= 40 + cc.fed_past_context((1, 2, 4))
 
 
 def test_cached_once_then_reused(pair, tmp_path, counted):

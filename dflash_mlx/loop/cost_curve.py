@@ -3,12 +3,13 @@ measured once per (target, draft, dtype, device), cached on disk, interpolated
 between the measured sizes. ``block_policy.AdaptiveBlock`` weighs expected
 tokens against it.
 
-t_target(b) is one verify cycle's target work over b tokens as the loop runs it
-(the recording forward, the logits, greedy acceptance, the rollback and the
-draft's context injection of the kept position); t_draft(b) is one draft pass
-proposing b-1 tokens (the draft plus the borrowed LM head, and the argmax).
-A block of 1 is a plain target step, timed as the loop runs a run of them
-(each queued before the host waits for the one before): no draft pass,
+A cycle at b is timed as the loop runs it: the decoder's own cycles, each
+from the end of the one before, in runs at one block, with runs of plain
+steps between them (``loop_cycle_seconds``). t_draft(b) is one draft pass
+proposing b-1 tokens (the draft plus the borrowed LM head, and the argmax),
+timed alone; t_target(b) is the rest of the cycle (the recording forward, the
+logits, acceptance, the rollback and the draft's context injection of the
+kept positions). A block of 1 is a plain target step: no draft pass,
 t_draft(1) = 0. A plain step's position still reaches the draft's context
 cache, in one batch when the draft next runs: ``inject_s`` per position, part
 of a plain step's price.
@@ -47,11 +48,11 @@ from .decoder import SpeculativeDecoder, propose_block, proposer_for
 from ..draft import DFlashDraft
 from .sampling import BlockSampler, SamplingParams
 from ..targets import Target
-from .verify import greedy_verify
 
 SCHEMA = "dflash-mlx-cost-curve"
-SCHEMA_VERSION = 4  # 2: context slopes, a plain step's injection; 3: slopes from 2,048 tokens, a plain step's median;
-# 4: timed again while a plain step times faster at the long context (older entries may hold such a curve)
+SCHEMA_VERSION = 5  # 2: context slopes, a plain step's injection; 3: slopes from 2,048 tokens, a plain step's median;
+# 4: timed again while a plain step times faster at the long context (older entries may hold such a curve);
+# 5: the loop's own cycles, interleaved with plain steps
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32)  # measured where they fit the draft's trained size
 CONTEXT = 64  # tokens in the caches while measuring
 LONG_CONTEXT = 2048  # the second context timed, for the slopes
@@ -59,7 +60,8 @@ INJECT_BATCH = 64  # positions injected in one batch while measuring inject_s
 BUDGET_S = 1.0  # about this long for the whole measurement
 MAX_REPEATS = 5
 BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")  # in the key when set
-PLAIN_STEPS = 24  # plain steps timed in a row for b = 1 (their median)
+ROUNDS = 3  # rounds of the loop's cycles timed at each context (``loop_cycle_seconds``)
+RUN = 4  # cycles in a row at one block within a round (the middle ones are timed)
 MEASURE_TRIES = 3  # measurements at most, while a plain step times faster at the long context than the short
 
 
@@ -229,32 +231,54 @@ def _median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def plain_step_seconds(decoder: SpeculativeDecoder, steps: int = PLAIN_STEPS,
-                       clock: Callable[[], float] = time.perf_counter) -> float:
-    """Seconds of a plain target step (b = 1) of a prefilled ``decoder`` at
-    block 1, pipelined as the loop runs them (each queued before the host
-    waits for the one before): the median of ``steps`` steps in a row, each
-    timed from the end of the one before, so a step another thread or process
-    held up does not move the price (four curves priced the demo target's
-    step at 1k tokens at 5.2-6.5 ms from a mean of 8, 5.1-5.6 ms from this
-    median; one thread)."""
-    for _ in range(2):  # warm-up; the timed run starts with a step in flight, as in a long run
-        decoder.cycle()
-    times, last = [], clock()
-    for _ in range(steps):
+class BlockScript:
+    """A block policy that answers the given blocks in turn, then plain steps (measuring)."""
+
+    def __init__(self, blocks):
+        self.blocks = iter(blocks)
+
+    def choose(self, context: int = 0, left: Optional[int] = None) -> int:
+        return next(self.blocks, 1)
+
+    def update(self, block_size: int, accepted: int) -> None:
+        pass
+
+
+def loop_cycle_seconds(decoder: SpeculativeDecoder, sizes: tuple[int, ...], rounds: int = ROUNDS,
+                       clock: Callable[[], float] = time.perf_counter) -> dict[int, float]:
+    """{b: seconds of one of the loop's own cycles at b} for a prefilled
+    ``decoder``: ``rounds`` rounds, each of ``RUN`` plain steps then ``RUN``
+    cycles at b, for every b > 1 of ``sizes`` in turn, each cycle timed from
+    the end of the one before, as the loop pipelines them (a plain step queued
+    before the host waits for the one before it; a block drafted while the
+    host streams the last cycle's tokens). A cycle is timed where the cycles
+    before and after it are at its own block, so its price holds what a run of
+    them pays and nothing of a switch; each b's is the median of its timings.
+
+    Plain steps run beside every size in every round, so each price and the
+    plain step's come from the same moments: the ratios the policy weighs hold
+    while the machine's speed wanders (timed pass by pass, apart from the plain
+    steps, six curves a minute apart priced the demo pair's b = 8 at 2.9 to 3.6
+    plain steps where its loop ran about 2.5)."""
+    decoder.policy = BlockScript(b for _ in range(rounds) for size in sizes[1:] for b in [1] * RUN + [size] * RUN)
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    before, last = None, clock()
+    for _ in range(rounds * (len(sizes) - 1) * 2 * RUN):
+        block = decoder.block_size
         decoder.cycle()
         now = clock()
-        times.append(now - last)
-        last = now
+        if before == block == decoder.block_size:
+            times[block].append(now - last)
+        before, last = block, now
     decoder.close()
-    return statistics.median(times)
+    return {b: statistics.median(t) for b, t in times.items()}
 
 
 def fed_past_context(sizes: tuple[int, ...]) -> int:
-    """Positions measuring feeds past a context: the plain steps (warm-up,
-    timed, and the one queued after them), one kept by each target pass, and
-    the largest block."""
-    return 3 + PLAIN_STEPS + (1 + MAX_REPEATS) * (len(sizes) - 1) + max(sizes)
+    """Positions measuring feeds past a context at most: the cycles of
+    ``loop_cycle_seconds`` (each keeps at most its block), the prefill's
+    token, and the largest block drafted after them."""
+    return 1 + ROUNDS * RUN * sum(1 + b for b in sizes[1:]) + max(sizes)
 
 
 def long_context(target: Target, sizes: tuple[int, ...]) -> Optional[int]:
@@ -269,41 +293,28 @@ def long_context(target: Target, sizes: tuple[int, ...]) -> Optional[int]:
 def _pass_seconds(target: Target, draft: DFlashDraft, sizes: tuple[int, ...], context: int,
                   budget_s: float) -> dict:
     """{(b, "target"|"draft"): seconds} with ``context`` tokens in the caches:
-    each pass at each size b > 1 warmed up once, then as many repeats (1 to
-    ``MAX_REPEATS``) as fit the budget, the median; b = 1: the median of
-    ``PLAIN_STEPS`` plain steps in a row, taken first, on the caches the
-    passes then use (one prefill for both)."""
-    layer_ids = draft.config.target_layer_ids
+    the loop's cycles at each size (``loop_cycle_seconds``), then each draft
+    pass at b > 1 warmed up once and repeated (1 to ``MAX_REPEATS`` times, as
+    many as fit the budget), the median. A cycle's target work is its time
+    less its draft pass, never below a plain step's (b = 1: the plain step)."""
     greedy = BlockSampler(SamplingParams())
     proposer = proposer_for(draft, target)
-    tokens = mx.arange(context + max(sizes), dtype=mx.int32) % target.vocab_size
-    plain = SpeculativeDecoder(target, proposer, layer_ids, 1)  # its prefill serves the passes too
-    plain.prefill(tokens[:context])
-    plain_seconds = plain_step_seconds(plain)
-    cache = plain.cache  # now holds the context and the plain steps, all injected into the draft's
-    y = plain.pending
-
-    def target_pass(b: int) -> None:
-        block = tokens[context : context + b]
-        out = target.forward(block[None], cache, layer_ids, record=True)
-        accepted, nxt = greedy_verify(target.logits(out.hidden), block[None, 1:])
-        mx.eval(accepted, nxt)
-        target.rollback(cache, out, 1)
-        proposer.observe(out.features[:, :1], block[:1])
-        mx.eval([c.state for c in cache], [c.state for c in proposer.cache])
+    decoder = SpeculativeDecoder(target, proposer, draft.config.target_layer_ids, 1)
+    decoder.prefill(mx.arange(context, dtype=mx.int32) % target.vocab_size)
+    cycles = loop_cycle_seconds(decoder, sizes)
+    y = decoder.pending
 
     def draft_pass(b: int) -> None:
         mx.eval(propose_block(proposer, y, b, greedy)[0])  # a DFlash2 draft's walk included
 
-    passes = [(b, kind, run) for b in sizes for kind, run in (("target", target_pass), ("draft", draft_pass))
-              if b > 1]
+    drafted = [b for b in sizes if b > 1]
     tic = time.perf_counter()
-    for b, _, run in passes:
-        run(b)
+    for b in drafted:
+        draft_pass(b)
     warm = time.perf_counter() - tic
     repeats = max(1, min(MAX_REPEATS, int(max(budget_s - warm, 0) / max(warm, 1e-9))))
-    seconds = {(b, kind): _median_seconds(lambda: run(b), repeats) for b, kind, run in passes}
-    seconds[1, "target"] = plain_seconds
+    seconds = {(b, "draft"): _median_seconds(lambda: draft_pass(b), repeats) for b in drafted}
+    seconds.update({(b, "target"): max(cycles[b] - seconds.get((b, "draft"), 0.0), cycles[1]) for b in sizes})
     return seconds
 
 
@@ -325,9 +336,10 @@ def _inject_seconds(target: Target, draft: DFlashDraft) -> float:
 
 def measure(target: Target, draft: DFlashDraft, sizes: tuple[int, ...],
             budget_s: float = BUDGET_S, agree: Callable[[bool], bool] = bool) -> CostCurve:
-    """Time every pass at ``CONTEXT`` and at ``long_context`` tokens (half the
-    budget each; see ``_pass_seconds``), and the injection of a plain step's
-    position. Each pass's slopes over the sizes are one straight line fitted
+    """Time the loop's cycles and the draft passes at ``CONTEXT`` and at
+    ``long_context`` tokens (the draft passes in half the budget each; see
+    ``_pass_seconds``), and the injection of a plain step's position. Each
+    pass's slopes over the sizes are one straight line fitted
     to them (``slope_line``): b queries attend over the context, and a line
     is steadier than each difference of two noisy timings.
 
