@@ -24,7 +24,7 @@ from .errors import DFlashError
 from .kv_quantization import DEFAULT_QUANTIZED_KV_START, KVQuantization
 from .loop import cost_curve as costs
 from .loop import (AdaptiveBlock, BlockSampler, ContextCache, DriftWatch, FixedBlock, SamplingParams,
-                   SpeculativeDecoder, Watched, proposer_for)
+                   SpeculativeDecoder, Watched, proposer_for, times_for)
 from .targets import check_forward
 from .targets import Target
 from .tree import TreeDecoder
@@ -380,17 +380,21 @@ def schedules(draft: DFlashDraft) -> bool:
 def auto_policy(target: Target, draft: DFlashDraft,
                 curve: Union[costs.CostCurve, Watched, None], sampled: bool = False) -> AdaptiveBlock:
     """``block_size="auto"``'s policy: on the given curve as it is; on a
-    ``Watched`` one watched for drift; or on the pair's measured one, watched
-    so and measured again next time once the cycles drift from it. A
-    ``sampled`` generation is never rescaled by its timings (its seeded draws
-    follow the blocks): its blocks follow the curve and the outcomes alone."""
-    if isinstance(curve, Watched):
-        return AdaptiveBlock(curve.curve, draft.config.block_size, watch=DriftWatch(curve.curve, rescale=not sampled))
-    if curve is not None:
+    ``Watched`` one watched; or on the pair's measured one, watched so and
+    measured again next time once the cycles drift from it. Watched, a greedy
+    generation weighs the cycles at the costs this process observed on the
+    curve (``loop/drift_watch.py``); a ``sampled`` one is never rescaled by
+    timings (its seeded draws follow the blocks): its blocks follow the curve
+    and the outcomes alone."""
+    if curve is not None and not isinstance(curve, Watched):
         return AdaptiveBlock(curve, draft.config.block_size)
-    curve = costs.cost_curve(target, draft)
-    watch = DriftWatch(curve, on_drift=lambda: costs.forget(target, draft), rescale=not sampled)
-    return AdaptiveBlock(curve, draft.config.block_size, watch=watch)
+    forget = None
+    if curve is None:
+        curve = Watched(costs.cost_curve(target, draft))
+        forget = lambda: costs.forget(target, draft)  # noqa: E731
+    watch = DriftWatch(curve.curve, on_drift=forget, rescale=not sampled,
+                       times=None if sampled else times_for(curve.curve))
+    return AdaptiveBlock(curve.curve, draft.config.block_size, watch=watch)
 
 
 @keywords(*inspect.signature(stream_generate).parameters)

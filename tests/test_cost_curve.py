@@ -361,6 +361,34 @@ def test_a_sampled_generation_is_told_of_drift_but_keeps_the_curves_prices(pair)
     assert auto_policy(target, draft, Watched(SYNTHETIC)).watch.rescale
 
 
+def test_a_greedy_generation_weighs_the_cycles_this_process_timed_on_the_curve(pair):
+    """Each kind is weighed as observed once ``SETTLED`` of its cycles were
+    timed on the curve, by this watch or any greedy one before it; a kind
+    timed fewer times follows the other; a sampled watch neither weighs nor
+    records, and ``auto_policy`` shares the times only between greedy ones."""
+    from dflash_mlx.generate import auto_policy
+    from dflash_mlx.loop.drift_watch import SETTLED, CycleTimes, times_for
+
+    clock, times = Clock(), CycleTimes()
+    faster = 2**-0.375  # within the drift tolerance, on the factors' 1/8-octave grid
+    timed = lambda b: CONTEXTUAL.cycle_seconds(b, 100) * (faster if b > 1 else 1.0)  # noqa: E731
+    first = DriftWatch(CONTEXTUAL, None, clock, window=8, times=times)
+    _cycles(first, clock, timed, [2] * SETTLED)  # the first cycle only starts the clock
+    assert first.factors == (1.0, 1.0)
+    _cycles(first, clock, timed, [2])
+    assert first.factors == pytest.approx((faster, faster))  # plain steps untimed: off as far as speculation
+    _cycles(first, clock, timed, [1] * SETTLED)
+    assert first.factors == pytest.approx((1.0, faster)) and not first.drifted
+    later = DriftWatch(CONTEXTUAL, None, clock, window=8, times=times)
+    assert later.factors == pytest.approx((1.0, faster))  # from the first cycle on
+    sampled = DriftWatch(CONTEXTUAL, None, clock, window=8, rescale=False, times=times)
+    _cycles(sampled, clock, lambda b: 1.3 * CONTEXTUAL.cycle_seconds(b, 100), [2] * 20)
+    assert sampled.factors == (1.0, 1.0) and len(times.of(True)) == SETTLED
+    target, draft = pair
+    assert auto_policy(target, draft, Watched(CONTEXTUAL)).watch.times is times_for(CONTEXTUAL)
+    assert auto_policy(target, draft, Watched(CONTEXTUAL), sampled=True).watch.times is None
+
+
 def test_a_watched_curve_is_watched_in_each_generation_and_never_forgotten(pair, target_dirs, tmp_path, monkeypatch,
                                                                           counted):
     """What bench hands its auto runs: the curve as given (nothing measured or

@@ -70,9 +70,9 @@ outcome, either kind, weighs ``PROBE_RATE`` in each c_i it reached, more
 than a speculative cycle's ``RATE``.
 
 Given the curve, the contexts and the outcomes, the choices are
-deterministic, unless a ``DriftWatch`` (``drift_watch.py``) finds the
-observed cycle times drifted from the curve: from then on the costs are
-scaled by what it observes.
+deterministic, unless a ``DriftWatch`` (``drift_watch.py``) scales the costs
+by the cycle times observed: a greedy generation's by those this process
+timed on the curve, any non-sampled one's once its own drifted from it.
 """
 
 import math
