@@ -53,6 +53,7 @@ def test_a_probe_is_drafted_beside_plain_steps_and_its_rows_make_one_outcome():
     policy = BatchBlock(CURVE, BatchCosts(SIZES, ((1.0,) * 5,) * 4), 16)
     policy.block.acceptance = [0.0] * 15  # nothing pays: plain steps, then a probe falls due
     policy.block.learned = True
+    policy.block.probe_warmup = 0  # past the first tokens: a probe that finds nothing counts
     rows = [Row()] * 4
     for _ in range(200):
         assert policy.choose(rows) == 1
@@ -67,7 +68,7 @@ def test_a_probe_is_drafted_beside_plain_steps_and_its_rows_make_one_outcome():
 
 
 def test_a_verified_probe_counts_once_however_many_rows_verify_it():
-    policy = AdaptiveBlock(CURVE, 16)
+    policy = AdaptiveBlock(CURVE, 16, probe_warmup=0)
     policy.verifying_probe = True
     policy.update_rows(8, [0, 1, 0, 1])  # no row's tokens pay for the cycle
     assert policy.failed_probes == 1

@@ -15,7 +15,7 @@ from mlx_lm import load as mlx_lm_load
 from checkpoints import build_target
 from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generate
 from dflash_mlx.loop.block_policy import (PRIOR_ACCEPTANCE, PRIOR_MARGIN, PROBE_BACKOFF_BUDGET, PROBE_BUDGET, PROBE_EVERY,
-                                          AdaptiveBlock, FixedBlock)
+                                          PROBE_WARMUP, AdaptiveBlock, FixedBlock)
 from dflash_mlx.loop.cost_curve import CostCurve
 from dflash_mlx.loop.decoder import SpeculativeDecoder
 from dflash_mlx.loop.sampling import BlockSampler, SamplingParams, warp
@@ -132,7 +132,7 @@ def _probe_steps(policy, n):
     verified, every one finding the first position wrong."""
     taken = []
     for i in range(n):
-        b = policy.choose()
+        b = policy.choose(context=i)  # one token a plain step
         probe = policy.probe() if b == 1 else b
         if probe > 1:
             taken.append(i)
@@ -142,15 +142,20 @@ def _probe_steps(policy, n):
 
 def test_probes_that_find_nothing_back_off_to_the_budgets_spacing():
     """A pair whose curve says "plain" from the start: the first probe comes
-    ``PROBE_EVERY`` plain steps in; after k that found nothing the next waits
-    ``PROBE_EVERY`` x 2^k, and at least long enough for its loss to be
+    ``PROBE_EVERY`` plain steps in, and the next ones ``PROBE_EVERY`` apart
+    while fewer than ``PROBE_WARMUP`` tokens were generated (a draft's first
+    blocks are often wrong); after k that found nothing past it the next
+    waits ``PROBE_EVERY`` x 2^k, and at least long enough for its loss to be
     ``PROBE_BACKOFF_BUDGET`` of the steps between, never longer than the
     spacing at which a probe costs ``PROBE_BUDGET`` of the plain steps' time."""
     for draft_s in (0.3, 1.0):  # a draft pass costs 0.3 or 1 plain step
         taken = _probe_steps(AdaptiveBlock(CostCurve((1, 16), (1.0, 16.0), (0.0, draft_s)), 4), 600)
         budget, backoff = math.ceil(draft_s / PROBE_BUDGET), math.ceil(draft_s / PROBE_BACKOFF_BUDGET)
-        assert taken[0] == PROBE_EVERY - 1
-        gaps = [j - i for i, j in zip(taken, taken[1:])]
+        warm = [i for i in taken if i < PROBE_WARMUP]
+        assert warm == list(range(PROBE_EVERY - 1, PROBE_WARMUP, PROBE_EVERY))
+        counted = taken[len(warm):]
+        assert counted[0] == warm[-1] + PROBE_EVERY
+        gaps = [j - i for i, j in zip(counted, counted[1:])]
         doubling = [min(max(PROBE_EVERY * 2**k, backoff), budget) for k in (1, 2, 3)]
         assert gaps[:3] == doubling and set(gaps[3:]) == {budget}
     assert doubling == [34, 34, 64]  # a dear probe: the backoff budget holds the first ones apart
@@ -173,7 +178,7 @@ def test_only_a_cycle_that_paid_brings_the_probes_close_again(paid):
     itself (2 tokens for 2 plain steps' time) the probes after it come close
     again; when it fails, they keep backing off from where they were, so that
     drafts that keep failing cannot start a probe every ``PROBE_EVERY`` steps."""
-    policy = AdaptiveBlock(Linear(1.0, 0.1, 1.0), 16)  # a cycle at 16 costs 3.5 plain steps: probes are drafted
+    policy = AdaptiveBlock(Linear(1.0, 0.1, 1.0), 16, probe_warmup=0)  # a cycle at 16: 3.5 plain steps; probes drafted
     taken = _probe_steps(policy, 15 * PROBE_EVERY)  # the prior says plain
     assert len(taken) == policy.failed_probes == 3
     policy.probed(16, [1.0] * 15)  # the drafts turned right

@@ -55,7 +55,11 @@ k probes that did not bring speculation back the next waits ``probe_every``
 x 2^k plain steps (never longer than the budget's spacing); k goes back to 0
 only when a speculative cycle pays for itself (its tokens worth more plain
 steps than it took), not when speculation merely runs again, so that drafts
-that keep failing cannot start a probe every ``probe_every`` steps. The
+that keep failing cannot start a probe every ``probe_every`` steps. A
+probe within the first ``probe_warmup`` (16) generated tokens does not count
+in k (on the demo pair's held-out prompts, a probe 11 tokens in found
+nothing on two prompts whose drafts were right from the 15th token on, and
+the backoff after it kept them plain for 44 and 54 tokens). The
 first comes ``probe_every`` plain steps in, so a pair whose curve alone says
 "plain" learns soon whether its drafts would pay, from positions past the
 prompt's end. A draft's first blocks after a prompt are often wrong where
@@ -86,6 +90,7 @@ PROBE_BACKOFF_BUDGET = 0.03  # after a probe found nothing, the next one's loss 
 PROBE_SHARE = 0.02  # the most of the time of the plain steps left to generate that one probe may take
 PRIOR_MARGIN = 0.5  # on the prior alone, speculation must beat plain steps by this share
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
+PROBE_WARMUP = 16  # generated tokens during which a probe that finds nothing does not back the next one off
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
 
 
@@ -137,7 +142,8 @@ class AdaptiveBlock:
 
     def __init__(self, costs: Costs, max_block: int, prior: float = PRIOR_ACCEPTANCE,
                  rate: float = RATE, probe_every: int = PROBE_EVERY,
-                 probe_budget: float = PROBE_BUDGET, watch: Optional[Watch] = None):
+                 probe_budget: float = PROBE_BUDGET, watch: Optional[Watch] = None,
+                 probe_warmup: int = PROBE_WARMUP):
         if max_block < 1:
             raise ValueError(f"max_block must be at least 1, got {max_block}")
         self.costs = costs
@@ -145,10 +151,12 @@ class AdaptiveBlock:
         self.rate = rate
         self.probe_every = probe_every
         self.probe_budget = probe_budget
+        self.probe_warmup = probe_warmup
         self.watch = watch
         self.acceptance = [prior] * (max_block - 1)  # c_1 .. c_{max_block-1}
         self.plain_steps = 0  # cycles at b = 1 since speculation ran or a probe was taken
         self.context = 0  # tokens in the target's cache at the last choice
+        self.start: Optional[int] = None  # ... at the first: where generation started
         self.due = 0  # the block of a probe due beside this plain step, 0: none
         self.verifying_probe = False  # the block chosen last is a probe, verified
         self.speculated = False  # whether speculation has run (a verified probe may be taken)
@@ -233,6 +241,7 @@ class AdaptiveBlock:
 
     def choose(self, context: int = 0, left: Optional[int] = None) -> int:
         self.context = context
+        self.start = context if self.start is None else self.start
         rates = self.rates()
         if not self.learned:  # a guess: speculate only where it promises a margin
             rates[0] *= 1 + PRIOR_MARGIN
@@ -308,9 +317,12 @@ class AdaptiveBlock:
         """A probe's outcome at ``block_size``: for each draft position it
         reached, in order, the probability that verifying would have accepted
         it there. It counts as a probe that found nothing until a speculative
-        cycle pays for itself."""
+        cycle pays for itself, unless it came within the first
+        ``probe_warmup`` generated tokens, where a draft's blocks are often
+        wrong that later ones are right."""
         self._learn(hits, PROBE_RATE)
-        self.failed_probes += 1
+        if self.context - (self.start or 0) >= self.probe_warmup:
+            self.failed_probes += 1
 
     def _learn(self, hits: list[float], rate: float) -> None:
         self.learned = self.learned or bool(hits)
