@@ -117,3 +117,36 @@ def test_batch_costs_are_cached_beside_the_curve_and_a_corrupt_entry_is_measured
     path.write_text(json.dumps({"schema": "x"}))
     batch_costs(None, Draft, tmp_path)
     assert len(measured) == 2
+
+
+class Sampler:
+    def __init__(self, greedy):
+        self.greedy = greedy
+
+
+def test_a_timed_batch_of_greedy_rows_is_weighed_at_the_cost_this_process_timed_at_its_width():
+    """Drafting pays on the prices (every draft right); once this process
+    timed speculative cycles at that width 8x dearer than priced, a timed
+    batch of greedy rows runs plain steps. A batch with a sampled row, or an
+    untimed policy, keeps the prices: a seed's draws follow the blocks."""
+    from dflash_mlx.loop.batch_policy import BatchCycles
+    from dflash_mlx.loop.drift_watch import SETTLED, times_for
+
+    factors = BatchCosts(SIZES, ((1.0,) * 5, (0.55,) * 5, (0.5,) * 5, (0.45,) * 5))  # this test's own key
+    cycles = BatchCycles(CURVE, factors, 2)
+    assert cycles.cycle_seconds(8) == pytest.approx(CURVE.cycle_seconds(8) * 0.55 * 2)
+    times = times_for(cycles)
+    times.of(False).extend([1.0] * SETTLED)
+    times.of(True).extend([8.0] * SETTLED)
+
+    def chosen(policy, rows):
+        policy.block.acceptance, policy.block.learned = [1.0] * 15, True
+        return policy.choose(rows)
+
+    greedy, sampled = Row(), Row()
+    greedy.sampler, sampled.sampler = Sampler(True), Sampler(False)
+    weighed = BatchBlock(CURVE, factors, 16, timed=True)
+    assert chosen(weighed, [greedy, greedy]) == 1
+    assert weighed.block.watch.curve == cycles and weighed.block.watch.times is times
+    assert chosen(weighed, [greedy, sampled]) == 16 and weighed.block.watch is None
+    assert chosen(BatchBlock(CURVE, factors, 16), [greedy, greedy]) == 16

@@ -21,6 +21,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import cost_curve as costs
 from .block_policy import AdaptiveBlock, shared_hits
+from .drift_watch import DriftWatch, times_for
 from ..targets import RowKVCache
 
 WIDTHS = (1, 2, 4, 8)  # batch widths timed; wider batches use the widest factor
@@ -78,6 +79,19 @@ class WidthCosts:
         return self.curve.draft(b, context) * self.batch.factor(self.width, b)
 
 
+@dataclass(frozen=True)
+class BatchCycles:
+    """A whole batch cycle's seconds at ``width`` rows, as priced: what a
+    ``DriftWatch`` times a batch's cycles against (and the key of their times)."""
+
+    curve: costs.CostCurve
+    batch: BatchCosts
+    width: int
+
+    def cycle_seconds(self, b: int, context: Optional[int] = None) -> float:
+        return self.curve.cycle_seconds(b, context) * self.batch.factor(self.width, b) * self.width
+
+
 class FixedRows:
     """The same b for every cycle."""
 
@@ -96,16 +110,30 @@ class BatchBlock:
     row, cycles priced per row at the batch's width. A probe is drafted for
     every row beside a plain batched step and judged per row against the
     row's own next tokens, as a request alone judges it; the rows' hits make
-    one outcome."""
+    one outcome.
 
-    def __init__(self, curve, batch: BatchCosts, max_block: int):
+    ``timed``: while every row is greedy, the batch's cycles are weighed at
+    the cost this process observed for them at its width, as a greedy request
+    alone weighs its own (``drift_watch.py``; the width factors are timed pass
+    by pass in a second and priced the demo pair's drafted cycles at 8 rows
+    below what they cost, so the batch drafted where plain batched steps were
+    faster). A batch with a sampled row is priced by the curve and factors
+    alone: its seeded draws follow the blocks."""
+
+    def __init__(self, curve, batch: BatchCosts, max_block: int, timed: bool = False):
         self.costs = WidthCosts(curve, batch)
         self.block = AdaptiveBlock(self.costs, max_block)
+        self.timed = timed
+        self.greedy: Optional[bool] = None  # whether the batch was weighed as greedy at the last choice
 
     def choose(self, rows: list) -> int:
-        if len(rows) != self.costs.width:
-            self.costs.width = len(rows)
+        greedy = self.timed and all(row.sampler.greedy for row in rows)
+        if len(rows) != self.costs.width or greedy != self.greedy:
+            self.costs.width, self.greedy = len(rows), greedy
             self.block.reprice()
+            if self.timed:
+                cycles = BatchCycles(self.costs.curve, self.costs.batch, self.costs.width)
+                self.block.watch = DriftWatch(cycles, times=times_for(cycles)) if greedy else None
         left = [r.tokens_left() for r in rows]
         return self.block.choose(max(len(r.tokens) for r in rows), None if None in left else max(left))
 
@@ -168,9 +196,9 @@ def batch_costs(target, draft, directory=None) -> BatchCosts:
 
 def batch_policy(target, draft, block_size: Union[int, str, None]):
     """The policy of ``block_size``: a fixed b (None: the draft's trained size),
-    or ``"auto"``: ``BatchBlock`` on the pair's cost curve and its batch factors."""
+    or ``"auto"``: ``BatchBlock`` on the pair's cost curve and its batch factors, timed."""
     if block_size is None:
         return FixedRows(draft.config.block_size)
     if isinstance(block_size, int):
         return FixedRows(block_size)
-    return BatchBlock(costs.cost_curve(target, draft), batch_costs(target, draft), draft.config.block_size)
+    return BatchBlock(costs.cost_curve(target, draft), batch_costs(target, draft), draft.config.block_size, timed=True)

@@ -44,8 +44,9 @@ class CycleTimes:
 _TIMES: dict = {}  # curve -> CycleTimes: the cycles every greedy generation of this process timed on it
 
 
-def times_for(curve: CostCurve) -> CycleTimes:
-    """The cycles this process's greedy generations timed on ``curve`` (equal curves share them)."""
+def times_for(curve) -> CycleTimes:
+    """The cycles this process's greedy generations timed on ``curve`` (a
+    ``CostCurve``, or a batch's ``BatchCycles``; equal ones share them)."""
     return _TIMES.setdefault(curve, CycleTimes())
 
 
