@@ -502,3 +502,46 @@ def test_requests_prefilled_together_are_each_prefilled_as_alone(loaded, family)
     for i, prompt in enumerate(prompts):
         solo = generate(model, draft, tokenizer, prompt, max_tokens=12, block_size=4, repetition_penalty=1.3)
         assert emitted[i][: len(solo.tokens)] == solo.tokens[: len(emitted[i])]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_blocks_drafted_ahead_are_the_blocks_drafted_in_the_cycle(loaded, family):
+    """A speculative cycle followed by another drafts the rows' next blocks
+    before returning (one draft pass a cycle); a row leaving takes its block
+    along and the others verify theirs, a row joining has every block drafted
+    again in the cycle, and a batch with a sampled row drafts in the cycle
+    only. Every row's tokens are those of the same batch drafting in the cycle."""
+    model, tokenizer, draft = loaded[family]
+    target = Target(model)
+
+    def run(ahead: bool, sampled: bool = False):
+        decoder = BatchDecoder(target, draft, 4)
+        decoder.drafter.ahead = ahead
+        calls, propose = [], decoder.drafter.propose
+        decoder.drafter.propose = lambda *args: calls.append(1) or propose(*args)
+        params = [SamplingParams(temperature=0.8, seed=3) if sampled and i == 2 else SamplingParams() for i in range(3)]
+        rows = [decoder.add(mx.array(tokenizer.encode(p)), BlockSampler(s))[0] for p, s in zip(PROMPTS, params)]
+        passes = []
+        for step in range(8):
+            before = len(calls)
+            decoder.cycle()
+            passes.append(len(calls) - before)
+            if step == 2:
+                decoder.remove(rows[0])
+            if step == 4:
+                rows.append(decoder.add(mx.array(tokenizer.encode(PROMPTS[3])), BlockSampler(SamplingParams()))[0])
+        return [r.tokens for r in rows], passes
+
+    want, drafted_in_cycle = run(False)
+    got, drafted_ahead = run(True)
+    assert got == want
+    assert drafted_in_cycle == [1] * 8 and drafted_ahead == [2, 1, 1, 1, 1, 2, 1, 1]
+    assert run(True, sampled=True)[1] == [1] * 8
+    decoder = BatchDecoder(target, draft, 4)
+    rows = [decoder.add(mx.array(tokenizer.encode(p)), BlockSampler(SamplingParams()))[0] for p in PROMPTS[:3]]
+    decoder.cycle()
+    decoder.remove(rows[0])  # the others' blocks drafted ahead are theirs, not their neighbours'
+    ahead = [d for d, _, _ in decoder._drafted_ahead(4)]
+    fresh = [d for d, _, _ in decoder.drafter.propose(mx.array([r.pending for r in rows[1:]]), 4, rows[1:])]
+    assert len(ahead) == 2 and all(mx.array_equal(a, f).item() for a, f in zip(ahead, fresh))
+    assert not mx.array_equal(fresh[0], fresh[1]).item()  # the rows' blocks differ: a mix-up would show

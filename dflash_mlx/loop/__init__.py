@@ -13,9 +13,10 @@ which ``decoder.py`` needs, so the package imports this folder before ``draft/``
 
 from . import acceptance
 from . import cost_curve
-from .batch import BatchDecoder, DraftRows, Row, RowCycle
+from .batch import BatchDecoder, Row, RowCycle
 from .batch_policy import BatchBlock, FixedRows, batch_policy
 from .block_policy import AdaptiveBlock, BlockPolicy, FixedBlock
+from .draft_rows import DraftRows
 from .decoder import (NON_FINITE, ContextCache, Cycle, DFlash2Proposer, DraftProposer, Proposer, SpeculativeDecoder,
                       prefill_chunks, proposer_for, sound_logits)
 from .drift_watch import DriftWatch, Watched, times_for

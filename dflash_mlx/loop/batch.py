@@ -22,12 +22,12 @@ from typing import Any, Optional, Union
 
 import mlx.core as mx
 
-from ..draft import DFlashDraft, DraftContextCache, SubsetHead
-from ..targets import RowKVCache, Target, extend_rows
+from ..draft import DFlashDraft, SubsetHead
+from ..targets import Target, extend_rows
 from .batch_policy import FixedRows
 from .batch_prefill import prefill_together
-from .decoder import (NON_FINITE, ContextCache, DFlash2Proposer, DSparkProposer, Probe, Proposer, SpeculativeDecoder,
-                      proposer_for, sound_logits)
+from .decoder import NON_FINITE, ContextCache, Probe, SpeculativeDecoder
+from .draft_rows import DraftRows
 from .sampling import BlockSampler, log_probs
 from .verify import greedy_verify
 
@@ -83,90 +83,6 @@ class RowCycle:
     error: Optional[str] = None  # set: the row cannot go on (its draft's logits were not finite)
 
 
-class DraftRows:
-    """Drafts every row's block in one pass of the DFlash draft over per-row
-    context caches (``targets/rows.py``'s ``RowKVCache``, each row at its own
-    position), with the target's embedding and head as a request alone has them.
-    A DSpark draft's pass runs its trained-width block; ``widest`` (its
-    ``config.block_size``) is the widest block it drafts, None for the others."""
-
-    def __init__(self, draft: DFlashDraft, target: Target, head: Optional[SubsetHead] = None):
-        self.draft, self.target, self.head = draft, target, head
-        self.proposer = proposer_for(draft, target, [], head)  # its cache: one RowKVCache per draft layer
-        self.widest = getattr(self.proposer, "widest", None)
-
-    def solo(self, cache: list) -> Proposer:
-        """The proposer a request's prefill injects its prompt through."""
-        return proposer_for(self.draft, self.target, cache, self.head)
-
-    @staticmethod
-    def rows_of(caches: list[list[DraftContextCache]]) -> list[RowKVCache]:
-        """Requests' draft context caches (one list per request) as the rows of batch caches."""
-        out = None
-        for cache in caches:
-            rows = [RowKVCache(*c.state, lengths=[c.held], starts=[c.start]) if c.held
-                    else RowKVCache(lengths=[0], starts=[c.offset]) for c in cache]
-            if out is None:
-                out = rows
-            else:
-                for mine, theirs in zip(out, rows):
-                    mine.extend(theirs)
-        return out
-
-    def join(self, rows: list[RowKVCache]) -> None:
-        """Append rows (``rows_of``) to the batch's draft context."""
-        if not self.proposer.cache:
-            self.proposer.cache = rows
-        else:
-            for mine, theirs in zip(self.proposer.cache, rows):
-                mine.extend(theirs)
-
-    def leave(self, r: int, kept: list[int], unobserved: Optional[list] = None) -> Optional[list[DraftContextCache]]:
-        """Row r's caches as a request's own, with its ``unobserved`` plain
-        steps' features (each [1, 1, k*H]) injected (None: its caches are not
-        wanted); the batch keeps rows ``kept``."""
-        out = None
-        if unobserved is not None:
-            fresh = self.draft.make_cache()
-            out = [DraftContextCache.from_row(*c.row(r), keep=f.keep) for c, f in zip(self.proposer.cache, fresh)]
-            if unobserved:
-                self.draft.inject(mx.concatenate(unobserved, axis=1), out)
-        for c in self.proposer.cache:
-            c.filter(mx.array(kept, dtype=mx.int32))
-        if not kept:
-            self.proposer.cache = []
-        return out
-
-    def observe(self, features: mx.array, counts: list[int], rows: Optional[list[RowKVCache]] = None) -> None:
-        """Inject features [B, T, k*H], of which row r keeps its first
-        ``counts[r]``, into the batch's draft context (or into ``rows``)."""
-        rows = self.proposer.cache if rows is None else rows
-        self.draft.inject(features, rows)
-        T = features.shape[1]
-        for c in rows:
-            c.trim_rows([T - n for n in counts])
-
-    def propose(self, ys: mx.array, block_size: int, rows: list) -> list[tuple]:
-        """Every row's (drafted [b-1], q or None, finite) after ys [B]."""
-        proposer = self.proposer
-        hidden = proposer.block_hidden_rows(ys, block_size)  # [B, b-1, H]
-        logits = self.draft.scale_logits(proposer.head(hidden))
-        greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # argmax-only rows' drafts, at once
-        sound = sound_logits(logits, axis=(1, 2))  # per row
-        drafts = []
-        for i, row in enumerate(rows):
-            if isinstance(proposer, DSparkProposer):  # each row's own Markov walk and sampler; no confidence schedule
-                drafted, q, _ = self.draft.walk(hidden[i], logits[i], ys[i : i + 1], row.sampler.draft)
-            elif isinstance(proposer, DFlash2Proposer):  # the candidate selector's walk, as a request alone drafts
-                drafted, q = proposer.walk(hidden[i], logits[i], ys[i : i + 1], row.sampler)
-            elif row.sampler.argmax_only:
-                drafted, q = greedy[i], None
-            else:
-                drafted, q = row.sampler.draft(logits[i])
-            drafts.append((drafted, q, sound[i]))
-        return drafts
-
-
 class BatchDecoder:
     """Rows joining, cycling and leaving over one set of batched caches.
 
@@ -189,6 +105,7 @@ class BatchDecoder:
         self.queued: Optional[QueuedStep] = None  # a plain step in flight
         self.probe_block = 0  # the block of the probe the rows are judging (0: none)
         self.probe_hits: list[list[float]] = []  # the hits of the rows whose probe is judged
+        self.drafted: Optional[tuple] = None  # (b, [(row, draft)]): the next cycle's blocks, drafted ahead
 
     # --- rows joining and leaving -------------------------------------------------
 
@@ -239,7 +156,7 @@ class BatchDecoder:
         self.rows.pop(r)
         self._probe_judged()
         if not kept:
-            self.cache = []
+            self.cache, self.drafted = [], None
         index = mx.array(kept, dtype=mx.int32)
         for c in self.cache:
             c.filter(index)
@@ -295,6 +212,8 @@ class BatchDecoder:
             cycles = self._finish_plain(step)
             if ahead:
                 self._fed(self.queued)
+            elif self.next_block > 1:
+                self._draft_ahead(self.next_block)
             return cycles
         if not self.rows:
             return []
@@ -311,7 +230,33 @@ class BatchDecoder:
         if self.next_block == 1 and all(r.tokens_left() != 0 for r in self.rows):  # no row is surely leaving
             self._queue_plain(mx.array([r.pending for r in self.rows], dtype=mx.int32))
             self._fed(self.queued)
+        elif self.next_block and self.next_block > 1:
+            self._draft_ahead(self.next_block)
         return cycles
+
+    def _draft_ahead(self, b: int) -> None:
+        """Start drafting every row's next block now, as a request alone does,
+        so the draft pass runs while the caller handles this cycle's tokens and
+        the next builds its verify pass. Only for a drafter whose blocks follow
+        from the rows' contexts alone (``ahead``) and rows whose drafts draw
+        nothing (argmax-only): a row joining since throws these drafts away,
+        and a thrown-away draw would leave a seeded row off its solo run."""
+        if not getattr(self.drafter, "ahead", False) or not all(r.sampler.argmax_only for r in self.rows):
+            return
+        self._drop_probe()
+        self.catch_up()
+        drafts = self.drafter.propose(mx.array([r.pending for r in self.rows], dtype=mx.int32), b, self.rows)
+        mx.async_eval([d for d, _, _ in drafts])
+        self.drafted = (b, list(zip(self.rows, drafts)))
+
+    def _drafted_ahead(self, b: int) -> Optional[list]:
+        """The rows' blocks ``_draft_ahead`` drafted, if they are this cycle's
+        (the same b, no row joined since; a row that left takes its block along)."""
+        drafted, self.drafted = self.drafted, None
+        if drafted is None or drafted[0] != b:
+            return None
+        by_row = {id(row): draft for row, draft in drafted[1]}  # the rows are held alive: ids are theirs
+        return [by_row[id(row)] for row in self.rows] if all(id(row) in by_row for row in self.rows) else None
 
     def _next_tokens(self, step: "QueuedStep") -> mx.array:
         """[B] every row's next token, unevaluated where ``step`` makes it."""
@@ -407,9 +352,11 @@ class BatchDecoder:
         return cycles
 
     def _speculate(self, ys: mx.array, b: int) -> list[RowCycle]:
-        self._drop_probe()
-        self.catch_up()
-        drafts = self.drafter.propose(ys, b, self.rows)
+        drafts = self._drafted_ahead(b)
+        if drafts is None:
+            self._drop_probe()
+            self.catch_up()
+            drafts = self.drafter.propose(ys, b, self.rows)
         block = mx.concatenate([ys[:, None], mx.stack([d for d, _, _ in drafts])], axis=1)  # [B, b]
         out = self.target.forward(block, self.cache, self.layer_ids, record=True)
         logits = self.target.logits(out.hidden)  # [B, b, V]
