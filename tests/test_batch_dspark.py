@@ -123,7 +123,6 @@ def test_rollback_is_exact_per_row_at_every_combination_of_acceptance_lengths(lo
     length = sum(max(plan) for plan in plans) + 2 * len(plans) + GAMMA + 2
     continuations = [p + greedy_reference(model, p, length) for p in prompts]
     decoder = BatchDecoder(target, draft, GAMMA + 1, head=head)
-    decoder.drafter.ahead = False  # the head is steered before each cycle: draft in it, not ahead of it
     rows = [decoder.add(mx.array(p), BlockSampler(SamplingParams()), tag=i)[0] for i, p in enumerate(prompts)]
     for plan in plans:
         pushes = []

@@ -105,7 +105,6 @@ class BatchDecoder:
         self.queued: Optional[QueuedStep] = None  # a plain step in flight
         self.probe_block = 0  # the block of the probe the rows are judging (0: none)
         self.probe_hits: list[list[float]] = []  # the hits of the rows whose probe is judged
-        self.drafted: Optional[tuple] = None  # (b, [(row, draft)]): the next cycle's blocks, drafted ahead
 
     # --- rows joining and leaving -------------------------------------------------
 
@@ -156,7 +155,7 @@ class BatchDecoder:
         self.rows.pop(r)
         self._probe_judged()
         if not kept:
-            self.cache, self.drafted = [], None
+            self.cache = []
         index = mx.array(kept, dtype=mx.int32)
         for c in self.cache:
             c.filter(index)
@@ -212,8 +211,6 @@ class BatchDecoder:
             cycles = self._finish_plain(step)
             if ahead:
                 self._fed(self.queued)
-            elif self.next_block > 1:
-                self._draft_ahead(self.next_block)
             return cycles
         if not self.rows:
             return []
@@ -230,33 +227,7 @@ class BatchDecoder:
         if self.next_block == 1 and all(r.tokens_left() != 0 for r in self.rows):  # no row is surely leaving
             self._queue_plain(mx.array([r.pending for r in self.rows], dtype=mx.int32))
             self._fed(self.queued)
-        elif self.next_block and self.next_block > 1:
-            self._draft_ahead(self.next_block)
         return cycles
-
-    def _draft_ahead(self, b: int) -> None:
-        """Start drafting every row's next block now, as a request alone does,
-        so the draft pass runs while the caller handles this cycle's tokens and
-        the next builds its verify pass. Only for a drafter whose blocks follow
-        from the rows' contexts alone (``ahead``) and rows whose drafts draw
-        nothing (argmax-only): a row joining since throws these drafts away,
-        and a thrown-away draw would leave a seeded row off its solo run."""
-        if not getattr(self.drafter, "ahead", False) or not all(r.sampler.argmax_only for r in self.rows):
-            return
-        self._drop_probe()
-        self.catch_up()
-        drafts = self.drafter.propose(mx.array([r.pending for r in self.rows], dtype=mx.int32), b, self.rows)
-        mx.async_eval([d for d, _, _ in drafts])
-        self.drafted = (b, list(zip(self.rows, drafts)))
-
-    def _drafted_ahead(self, b: int) -> Optional[list]:
-        """The rows' blocks ``_draft_ahead`` drafted, if they are this cycle's
-        (the same b, no row joined since; a row that left takes its block along)."""
-        drafted, self.drafted = self.drafted, None
-        if drafted is None or drafted[0] != b:
-            return None
-        by_row = {id(row): draft for row, draft in drafted[1]}  # the rows are held alive: ids are theirs
-        return [by_row[id(row)] for row in self.rows] if all(id(row) in by_row for row in self.rows) else None
 
     def _next_tokens(self, step: "QueuedStep") -> mx.array:
         """[B] every row's next token, unevaluated where ``step`` makes it."""
@@ -352,11 +323,9 @@ class BatchDecoder:
         return cycles
 
     def _speculate(self, ys: mx.array, b: int) -> list[RowCycle]:
-        drafts = self._drafted_ahead(b)
-        if drafts is None:
-            self._drop_probe()
-            self.catch_up()
-            drafts = self.drafter.propose(ys, b, self.rows)
+        self._drop_probe()
+        self.catch_up()
+        drafts = self.drafter.propose(ys, b, self.rows)
         block = mx.concatenate([ys[:, None], mx.stack([d for d, _, _ in drafts])], axis=1)  # [B, b]
         out = self.target.forward(block, self.cache, self.layer_ids, record=True)
         logits = self.target.logits(out.hidden)  # [B, b, V]

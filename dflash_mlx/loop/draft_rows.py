@@ -14,11 +14,7 @@ class DraftRows:
     context caches (``targets/rows.py``'s ``RowKVCache``, each row at its own
     position), with the target's embedding and head as a request alone has them.
     A DSpark draft's pass runs its trained-width block; ``widest`` (its
-    ``config.block_size``) is the widest block it drafts, None for the others.
-    Its blocks follow from the rows' contexts alone, so the batch may draft
-    them ahead of the cycle (``ahead``)."""
-
-    ahead = True
+    ``config.block_size``) is the widest block it drafts, None for the others."""
 
     def __init__(self, draft: DFlashDraft, target: Target, head: Optional[SubsetHead] = None):
         self.draft, self.target, self.head = draft, target, head
