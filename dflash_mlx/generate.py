@@ -392,8 +392,7 @@ def auto_policy(target: Target, draft: DFlashDraft,
     if curve is None:
         curve = Watched(costs.cost_curve(target, draft))
         forget = lambda: costs.forget(target, draft)  # noqa: E731
-    watch = DriftWatch(curve.curve, on_drift=forget, rescale=not sampled,
-                       times=None if sampled else times_for(curve.curve))
+    watch = DriftWatch(curve.curve, on_drift=forget, rescale=not sampled, times=times_for(curve.curve))
     return AdaptiveBlock(curve.curve, draft.config.block_size, watch=watch)
 
 
