@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dflash_mlx.loop.batch_policy import WIDTHS, BatchBlock, BatchCosts, FixedRows, batch_costs
+from dflash_mlx.loop.batch_policy import WIDTHS, BatchBlock, BatchCosts, FixedRows, batch_costs, shaped
 from dflash_mlx.loop.block_policy import AdaptiveBlock, shared_hits
 from dflash_mlx.loop.cost_curve import CostCurve
 
@@ -92,6 +92,21 @@ def test_width_factors_interpolate_between_sizes_and_use_the_widest_measured_wid
         BatchCosts(SIZES, ((1.0,) * 5,) * 3)  # a width missing
     with pytest.raises(ValueError):
         BatchCosts(SIZES, ((1.0,) * 5,) * 3 + ((0.0,) * 5,))  # a free pass
+
+
+def test_measured_factors_are_held_to_the_shape_a_batch_cost_has():
+    """A measurement of the demo pair at 2 rows priced b = 16 below b = 8 (0.56
+    against 0.72): pooled, no width's factor falls as b grows, none rises with
+    the width, none is below 1 / B; factors of that shape stay as measured."""
+    physical = [[1.0] * 5, [0.6, 0.6, 0.65, 0.7, 0.8], [0.3, 0.35, 0.5, 0.6, 0.7], [0.2, 0.3, 0.45, 0.6, 0.7]]
+    assert shaped(physical) == tuple(map(tuple, physical))
+    noisy = [[1.0] * 5, [0.73, 0.72, 0.70, 0.72, 0.56], [0.39, 0.33, 0.36, 0.46, 0.58], [0.1, 0.23, 0.24, 0.3, 0.9]]
+    got = shaped(noisy)
+    assert got[1] == pytest.approx([0.686] * 5)  # one pool: every size at the mean
+    assert got[2] == pytest.approx([0.36, 0.36, 0.36, 0.46, 0.58])
+    assert got[3] == pytest.approx([0.125, 0.23, 0.24, 0.3, 0.58])  # 1 / 8 at least; at most 4 rows' factor
+    for row, wider in zip(got, got[1:]):
+        assert all(a <= b for a, b in zip(wider, wider[1:])) and all(w <= n for w, n in zip(wider, row))
 
 
 def test_batch_costs_are_cached_beside_the_curve_and_a_corrupt_entry_is_measured_again(tmp_path, monkeypatch):

@@ -27,7 +27,8 @@ from ..targets import RowKVCache
 WIDTHS = (1, 2, 4, 8)  # batch widths timed; wider batches use the widest factor
 SIZES = (1, 2, 4, 8, 16)  # block sizes timed (those up to the draft's trained size)
 CONTEXT = 64  # tokens each row holds while timing
-REPEATS = 3
+ROUNDS = 5  # passes of every width and size, interleaved; each factor is from their medians
+METHOD = 2  # in the cache key: 2, interleaved medians shaped as a batch's cost can be (``shaped``)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class BatchBlock:
     ``timed``: while every row is greedy, the batch's cycles are weighed at
     the cost this process observed for them at its width, as a greedy request
     alone weighs its own (``drift_watch.py``; the width factors are timed pass
-    by pass in a second and priced the demo pair's drafted cycles at 8 rows
+    by pass in a few seconds and priced the demo pair's drafted cycles at 8 rows
     below what they cost, so the batch drafted where plain batched steps were
     faster). A batch with a sampled row is priced by the curve and factors
     alone: its seeded draws follow the blocks."""
@@ -149,43 +150,77 @@ class BatchBlock:
         self.block.update_rows(block_size, accepted)
 
 
+def shaped(factors: list[list[float]]) -> tuple[tuple[float, ...], ...]:
+    """Measured factors (per width in WIDTHS, per size) held to the shape a
+    batch's cost has, wherever the timings' noise broke it: a width's factor
+    never falls as b grows (the wider pass leaves the weight-bound regime
+    first; fitted by pooling adjacent violators), never rises with the width
+    (B rows cost at most two passes of B / 2), and never goes below 1 / B (a
+    pass over B rows costs at least one over a single row). Timed pass by
+    pass, single factors moved by a third between measurements a minute
+    apart; one that priced blocks of 16 at 2 rows below blocks of 8 sent the
+    demo pair's batches of two to b = 16, their slowest block."""
+    rows = []
+    for width, row in zip(WIDTHS, factors):
+        pools = []  # [mean, count] of adjacent sizes pooled
+        for f in row:
+            pools.append([f, 1])
+            while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+                (a, n), (b, m) = pools.pop(-2), pools.pop()
+                pools.append([(a * n + b * m) / (n + m), n + m])
+        row = [mean for mean, count in pools for _ in range(count)]
+        if rows:
+            row = [min(f, narrower) for f, narrower in zip(row, rows[-1])]
+        rows.append([max(f, 1 / width) for f in row])
+    return tuple(tuple(row) for row in rows)
+
+
 def measure(target, draft, sizes: tuple[int, ...]) -> BatchCosts:
     """Time the target's verify pass with its logits and the draft's pass over
     [B, b] at every width and size, with ``CONTEXT`` tokens in each row's
-    caches; a width's factor is its time over B times the one-row time."""
+    caches, ``ROUNDS`` times in turn; a width's factor is its median time over
+    B times the one-row median, ``shaped``."""
     layer_ids = draft.config.target_layer_ids
 
-    def seconds(width: int, b: int) -> float:
+    def setup(width: int) -> tuple[list, list]:
         rows = lambda c: RowKVCache(lengths=[0] * width) if isinstance(c, KVCache) else c
         cache = [rows(c) for c in target.make_cache()]
         context = [RowKVCache(lengths=[0] * width) for _ in draft.layers]
         out = target.forward(mx.zeros((width, CONTEXT), dtype=mx.int32), cache, layer_ids)
         draft.inject(out.features, context)
         mx.eval([c.state for c in cache + context])
-        block = mx.ones((width, b), dtype=mx.int32)
-        times = []
-        for _ in range(REPEATS):
-            tic = time.perf_counter()
-            out = target.forward(block, cache, layer_ids, record=b > 1)
-            work = [target.logits(out.hidden), out.features]
-            if b > 1:
-                work.append(draft(target.embed(block), context))
-            mx.eval(work)
-            times.append(time.perf_counter() - tic)
-            for c in cache:
-                if isinstance(c, RowKVCache):
-                    c.trim(b)  # recurrent states only move on: their size does not grow
-        return min(times)
+        return cache, context
 
-    one = {b: seconds(1, b) for b in sizes}
-    factors = [tuple(1.0 if width == 1 else seconds(width, b) / (width * one[b]) for b in sizes) for width in WIDTHS]
-    return BatchCosts(sizes, tuple(factors))
+    def seconds(width: int, b: int, cache: list, context: list) -> float:
+        block = mx.ones((width, b), dtype=mx.int32)
+        tic = time.perf_counter()
+        out = target.forward(block, cache, layer_ids, record=b > 1)
+        work = [target.logits(out.hidden), out.features]
+        if b > 1:
+            work.append(draft(target.embed(block), context))
+        mx.eval(work)
+        elapsed = time.perf_counter() - tic
+        for c in cache:
+            if isinstance(c, RowKVCache):
+                c.trim(b)  # recurrent states only move on: their size does not grow
+        return elapsed
+
+    caches = {width: setup(width) for width in WIDTHS}
+    times = {(width, b): [] for width in WIDTHS for b in sizes}
+    for width, b in times:  # untimed: each shape's first pass allocates its buffers
+        seconds(width, b, *caches[width])
+    for _ in range(ROUNDS):
+        for width, b in times:
+            times[(width, b)].append(seconds(width, b, *caches[width]))
+    median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    factors = [[median[(width, b)] / (width * median[(1, b)]) for b in sizes] for width in WIDTHS]
+    return BatchCosts(sizes, shaped(factors))
 
 
 def batch_costs(target, draft, directory=None) -> BatchCosts:
     """The pair's batch factors on this machine: cached beside its cost curve
     (same key, plus the widths), else measured (a few seconds) and cached."""
-    key = {**costs.cache_key(target, draft), "widths": list(WIDTHS)}
+    key = {**costs.cache_key(target, draft), "widths": list(WIDTHS), "method": METHOD}
     path = costs.cache_path(key, directory, "batch-costs")
     found = costs.read_cached(path, key, BatchCosts)
     if found is None:
