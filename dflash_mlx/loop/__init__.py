@@ -18,7 +18,7 @@ from .batch_policy import BatchBlock, FixedRows, batch_policy
 from .block_policy import AdaptiveBlock, BlockPolicy, FixedBlock
 from .draft_rows import DraftRows
 from .decoder import (NON_FINITE, ContextCache, Cycle, DFlash2Proposer, DraftProposer, Proposer, SpeculativeDecoder,
-                      prefill_chunks, proposer_for, sound_logits)
+                      prefill_chunks, propose_block, proposer_for, sound_logits)
 from .drift_watch import DriftWatch, Watched, times_for
 from .sampling import BlockSampler, SamplingParams
 
@@ -26,6 +26,6 @@ __all__ = [
     "acceptance", "cost_curve", "BatchDecoder", "DraftRows", "Row", "RowCycle", "BatchBlock", "FixedRows",
     "batch_policy", "AdaptiveBlock", "BlockPolicy", "FixedBlock",
     "NON_FINITE", "ContextCache", "Cycle", "DFlash2Proposer", "DraftProposer", "Proposer", "SpeculativeDecoder",
-    "prefill_chunks", "proposer_for", "sound_logits", "DriftWatch", "Watched", "times_for", "BlockSampler",
+    "prefill_chunks", "propose_block", "proposer_for", "sound_logits", "DriftWatch", "Watched", "times_for", "BlockSampler",
     "SamplingParams",
 ]
