@@ -15,7 +15,7 @@ from mlx_lm import load as mlx_lm_load
 from checkpoints import build_target
 from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generate
 from dflash_mlx.loop.block_policy import (PRIOR_ACCEPTANCE, PRIOR_MARGIN, PROBE_BACKOFF_BUDGET, PROBE_BUDGET, PROBE_EVERY,
-                                          PROBE_WARMUP, AdaptiveBlock, FixedBlock)
+                                          PROBE_FIRST_BUDGET, PROBE_WARMUP, AdaptiveBlock, FixedBlock)
 from dflash_mlx.loop.cost_curve import CostCurve
 from dflash_mlx.loop.decoder import SpeculativeDecoder
 from dflash_mlx.loop.sampling import BlockSampler, SamplingParams, warp
@@ -120,11 +120,16 @@ def test_rejections_turn_speculation_off_and_probes_bring_it_back():
 def test_a_probe_is_due_only_while_plain_steps_win():
     policy = AdaptiveBlock(FLAT, 4)
     assert policy.choose() == 4 and policy.probe() == 0
-    policy = AdaptiveBlock(STEEP, 4)
-    due = [policy.choose() == 1 and policy.probe() for _ in range(3 * PROBE_EVERY)]
-    # the curve alone says "plain", the drafts may say otherwise: a probe PROBE_EVERY plain steps in
-    assert due[:PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1) and due[PROBE_EVERY - 1] > 1
-    assert all(b in (0, 2, 3, 4) for b in due) and due.count(0) > len(due) / 2
+    # the curve alone says "plain", the drafts may say otherwise: a probe PROBE_EVERY plain
+    # steps in where its draft pass is cheap; where it is dear, once its loss is at most
+    # PROBE_FIRST_BUDGET of the plain steps before it
+    cheap = CostCurve((1, 16), (1.0, 16.0), (0.0, 0.3))
+    for curve, first in ((cheap, PROBE_EVERY), (STEEP, math.ceil(STEEP.draft(2) / PROBE_FIRST_BUDGET))):
+        policy = AdaptiveBlock(curve, 4)
+        due = [policy.choose() == 1 and policy.probe() for _ in range(3 * first)]
+        assert due[: first - 1] == [0] * (first - 1) and due[first - 1] > 1
+        assert all(b in (0, 2, 3, 4) for b in due) and due.count(0) > len(due) / 2
+    assert first == 267  # STEEP's draft pass costs 16 plain steps
 
 
 def _probe_steps(policy, n):
@@ -142,23 +147,25 @@ def _probe_steps(policy, n):
 
 def test_probes_that_find_nothing_back_off_to_the_budgets_spacing():
     """A pair whose curve says "plain" from the start: the first probe comes
-    ``PROBE_EVERY`` plain steps in, and the next ones ``PROBE_EVERY`` apart
-    while fewer than ``PROBE_WARMUP`` tokens were generated (a draft's first
-    blocks are often wrong); after k that found nothing past it the next
+    ``PROBE_EVERY`` plain steps in (or, dearer, once its loss is at most
+    ``PROBE_FIRST_BUDGET`` of the steps before it), and the next ones as far
+    apart while fewer than ``PROBE_WARMUP`` tokens were generated (a draft's
+    first blocks are often wrong); after k that found nothing past it the next
     waits ``PROBE_EVERY`` x 2^k, and at least long enough for its loss to be
     ``PROBE_BACKOFF_BUDGET`` of the steps between, never longer than the
     spacing at which a probe costs ``PROBE_BUDGET`` of the plain steps' time."""
     for draft_s in (0.3, 1.0):  # a draft pass costs 0.3 or 1 plain step
         taken = _probe_steps(AdaptiveBlock(CostCurve((1, 16), (1.0, 16.0), (0.0, draft_s)), 4), 600)
         budget, backoff = math.ceil(draft_s / PROBE_BUDGET), math.ceil(draft_s / PROBE_BACKOFF_BUDGET)
+        first = max(PROBE_EVERY, math.ceil(draft_s / PROBE_FIRST_BUDGET))
         warm = [i for i in taken if i < PROBE_WARMUP]
-        assert warm == list(range(PROBE_EVERY - 1, PROBE_WARMUP, PROBE_EVERY))
+        assert warm == list(range(first - 1, PROBE_WARMUP, first))
         counted = taken[len(warm):]
-        assert counted[0] == warm[-1] + PROBE_EVERY
+        assert counted[0] == (warm[-1] if warm else -1) + first
         gaps = [j - i for i, j in zip(counted, counted[1:])]
         doubling = [min(max(PROBE_EVERY * 2**k, backoff), budget) for k in (1, 2, 3)]
         assert gaps[:3] == doubling and set(gaps[3:]) == {budget}
-    assert doubling == [34, 34, 64]  # a dear probe: the backoff budget holds the first ones apart
+    assert doubling == [34, 34, 64] and first == 17  # a dear probe: the budgets hold the first ones apart
 
 
 def _speculate_until_plain(policy, accepted):
@@ -191,7 +198,9 @@ def test_only_a_cycle_that_paid_brings_the_probes_close_again(paid):
 def test_a_probe_is_verified_only_once_speculation_ran_and_where_that_costs_less():
     curve = CostCurve((1, 16), (1.0, 1.0), (0.0, 2.0))  # verifying is free, drafting dear
     policy = AdaptiveBlock(curve, 4)
-    assert [policy.choose() == 1 and policy.probe() for _ in range(PROBE_EVERY)][-1] > 1  # only drafted
+    first = math.ceil(curve.draft(4) / PROBE_FIRST_BUDGET)  # a draft pass of 2 plain steps: 34 steps in
+    due = [policy.choose() == 1 and policy.probe() for _ in range(first)]
+    assert not any(due[:-1]) and due[-1] > 1  # only drafted
     policy.acceptance, policy.learned = [1.0] * 3, True  # as if measured: no prior's margin
     assert policy.choose() == 4  # speculating
     for _ in range(3):

@@ -12,7 +12,8 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import Target, generate, load_draft
-from dflash_mlx.loop.block_policy import PROBE_BUDGET, PROBE_EVERY, PROBE_SHARE, PROBE_WARMUP, AdaptiveBlock, FixedBlock
+from dflash_mlx.loop.block_policy import (PROBE_BUDGET, PROBE_EVERY, PROBE_FIRST_BUDGET, PROBE_SHARE, PROBE_WARMUP,
+                                          AdaptiveBlock, FixedBlock)
 from dflash_mlx.loop.cost_curve import CostCurve
 from dflash_mlx.loop.decoder import ContextCache, DraftProposer, SpeculativeDecoder, prefill_chunks, proposer_for
 from test_loop import greedy_reference
@@ -282,11 +283,12 @@ def test_a_probe_waits_while_too_few_tokens_are_left_to_repay_it():
 
 
 def test_a_probe_waits_while_it_would_take_more_than_its_share_of_the_steps_left():
-    """A due probe whose draft pass costs a plain step is drafted only where
+    """A due probe whose draft pass costs a plain step (so due once it is
+    ``PROBE_FIRST_BUDGET`` of the plain steps before it) is drafted only where
     it takes at most ``PROBE_SHARE`` of the plain steps left: 50 of them."""
     curve = CostCurve((1, 16), (1.0, 4.0), (0.0, 1.0))
     policy = AdaptiveBlock(curve, 4)
-    for _ in range(PROBE_EVERY - 1):
+    for _ in range(math.ceil(1.0 / PROBE_FIRST_BUDGET) - 1):
         assert policy.choose(0, left=1000) == 1 and policy.probe() == 0
     block = policy.best(low=2)
     assert policy.probe_loss(block) == pytest.approx(1.0 * PROBE_SHARE * 50)
@@ -294,16 +296,18 @@ def test_a_probe_waits_while_it_would_take_more_than_its_share_of_the_steps_left
     assert policy.choose(0, left=51) == 1 and policy.probe() == block
 
 
-@pytest.mark.parametrize("draft_s, max_tokens, probes", [(0.3, 12, []), (0.3, 40, [7, 8]), (1.0, 40, []), (1.0, 60, [7])])
+@pytest.mark.parametrize("draft_s, max_tokens, probes",
+                         [(0.3, 12, []), (0.3, 40, [7, 8]), (1.0, 40, []), (1.0, 60, []), (1.0, 80, [16])])
 def test_a_short_generation_drafts_no_probe_it_cannot_repay(target_dirs, draft_dir, draft_s, max_tokens, probes):
     """With plain steps the curve's choice, the probe due 8 steps in is
     drafted in a 40-token generation (its plain steps are injected for it),
     and after it found nothing one more 8 steps on (in the first 16 tokens a
     probe that finds nothing does not back the next off), and not in a 12-token
-    one; where its draft pass costs a plain step, not in a 40-token one
-    either (more than 2% of the 32 steps left), but in a 60-token one, alone
-    (the next would take more than 2% of the 36 left); the output is
-    mlx-lm's either way."""
+    one; where its draft pass costs a plain step, it is due 17 steps in (its
+    loss 6% of the steps before it), and drafted neither in a 40-token nor in
+    a 60-token generation (more than 2% of the 42 steps left) but in an
+    80-token one, alone (the next would take more than 2% of those left); the
+    output is mlx-lm's either way."""
     model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
     target, draft = Target(model), load_draft(str(draft_dir("qwen3", block_size=4)))
     injected, inject = [], draft.inject

@@ -17,7 +17,7 @@ from dflash_mlx.targets import Target
 TOKENS = 56
 MAX_BLOCK = 8  # the demo draft's blocks, kept below its trained 16: a table row costs a pass per size
 # drafting pays from about 2 drafts a cycle: plain steps, probes and blocks of several sizes
-CURVE = CostCurve((1, 2, 4, 8, 16), (5.0, 7.0, 9.0, 12.0, 15.0), (0.0, 3.0, 4.0, 5.0, 7.0))
+CURVE = CostCurve((1, 2, 4, 8, 16), (5.0, 7.0, 9.0, 12.0, 15.0), (0.0, 1.5, 2.0, 2.5, 3.5))
 
 
 @pytest.fixture(scope="module")

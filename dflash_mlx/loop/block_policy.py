@@ -38,14 +38,18 @@ context long). Probes come ``probe_every`` plain steps apart, then twice
 that after a probe that did not bring speculation back, four times after
 two, and so on up to the spacing at which their loss is ``probe_budget`` of
 the plain steps' time, so text that turns predictable again is found soon
-and probes that keep finding nothing cost the budget. A probe waits while fewer
+and probes that keep finding nothing cost the budget. Before any has found
+nothing, a dear probe still waits until its loss is ``PROBE_FIRST_BUDGET``
+(6%) of the plain steps before it: at a long context a draft pass costs one
+or two plain steps, and the first probes, 8 steps apart, took 3-4% of a
+96-token generation. A probe waits while fewer
 than its block plus ``probe_every`` tokens are left to generate (when the
 caller says how many): speculation after it would have too few tokens to
 repay it; and while it would lose more than ``PROBE_SHARE`` (2%) of the time
 of the plain steps left, so that a probe that finds nothing leaves the run
 within 2% of plain decoding (the demo draft's pass costs about a plain step
 on a CPU: no probe in a 40-token generation, where one took 3%, while a
-96-token one still probes 8 steps in; a real pair's draft is a tenth of its
+96-token one still probes, 17 steps in; a real pair's draft is a tenth of its
 target, and its probes wait for the block plus 8 tokens alone).
 Speculation on the prior alone is a guess of the same kind and waits for
 its block plus ``probe_every`` tokens alike: a draft's first blocks are
@@ -87,6 +91,7 @@ RATE = 0.2  # weight of the newest outcome in each c_i (about the last five cycl
 PROBE_EVERY = 8  # plain steps between probes of speculation, at the least
 PROBE_BUDGET = 0.01  # the most of the plain steps' time the probes' draft passes may take
 PROBE_BACKOFF_BUDGET = 0.03  # after a probe found nothing, the next one's loss is at most this of the steps between
+PROBE_FIRST_BUDGET = 0.06  # before any has, a probe's loss is at most this of the steps between
 PROBE_SHARE = 0.02  # the most of the time of the plain steps left to generate that one probe may take
 PRIOR_MARGIN = 0.5  # on the prior alone, speculation must beat plain steps by this share
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
@@ -230,13 +235,13 @@ class AdaptiveBlock:
         """Plain steps before a probe at block ``probe``: ``probe_every`` x 2^k
         after k probes that found nothing since a speculative cycle last paid
         for itself, and then at least as many as make the probe's loss
-        ``PROBE_BACKOFF_BUDGET`` of their time (a dear probe, at a long
-        context, waits longer); at most the spacing at which its loss is
-        ``probe_budget`` of their time, and at least ``probe_every``."""
+        ``PROBE_BACKOFF_BUDGET`` of their time (``PROBE_FIRST_BUDGET`` while
+        none has found nothing: a dear probe, at a long context, waits
+        longer); at most the spacing at which its loss is ``probe_budget`` of
+        their time, and at least ``probe_every``."""
         loss = self.probe_loss(probe) / self.cycle_seconds(1)  # in plain steps
-        backoff = self.probe_every * 2**self.failed_probes
-        if self.failed_probes:
-            backoff = max(backoff, math.ceil(loss / PROBE_BACKOFF_BUDGET))
+        budget = PROBE_BACKOFF_BUDGET if self.failed_probes else PROBE_FIRST_BUDGET
+        backoff = max(self.probe_every * 2**self.failed_probes, math.ceil(loss / budget))
         return max(self.probe_every, min(math.ceil(loss / self.probe_budget), backoff))
 
     def choose(self, context: int = 0, left: Optional[int] = None) -> int:
