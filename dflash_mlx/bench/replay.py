@@ -13,7 +13,6 @@ real cost; ``dflash-mlx bench`` measures both together.
 """
 
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 
@@ -56,7 +55,6 @@ class Replayed:
 
 @dataclass
 class _Probe:
-    row: int  # the reply position it was drafted after
     block: int
     hits: list[float]
     judged_at: int  # the row whose token completes its judgement
@@ -88,7 +86,7 @@ def replay(table: list[list[int]], prompt_tokens: int, policy, costs, max_tokens
             due = policy.probe()
             if due > 1:
                 a = table[row][due - 2]
-                probe = _Probe(row, due, ([1.0] * a + [0.0])[: due - 1], row + min(a + 1, due - 1))
+                probe = _Probe(due, ([1.0] * a + [0.0])[: due - 1], row + min(a + 1, due - 1))
                 out.seconds += costs.draft(due, prompt_tokens + row)
                 out.probes.append(due)
         return b

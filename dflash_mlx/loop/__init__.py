@@ -26,6 +26,6 @@ __all__ = [
     "acceptance", "cost_curve", "BatchDecoder", "DraftRows", "Row", "RowCycle", "BatchBlock", "FixedRows",
     "batch_policy", "AdaptiveBlock", "BlockPolicy", "FixedBlock",
     "NON_FINITE", "ContextCache", "Cycle", "DFlash2Proposer", "DraftProposer", "Proposer", "SpeculativeDecoder",
-    "prefill_chunks", "propose_block", "proposer_for", "sound_logits", "DriftWatch", "Watched", "times_for", "BlockSampler",
-    "SamplingParams",
+    "prefill_chunks", "propose_block", "proposer_for", "sound_logits", "DriftWatch", "Watched", "times_for",
+    "BlockSampler", "SamplingParams",
 ]
