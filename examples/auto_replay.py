@@ -1,7 +1,8 @@
 """Auto against fixed blocks on the same tokens and prices, without timing noise.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
-        python examples/auto_replay.py [--prompts demo] [--max-tokens 128] [--blocks 4,8,16]
+        python examples/auto_replay.py [--prompts demo] [--max-tokens 128] [--blocks 4,8,16] \\
+            [--tables demo-tables.json] [--curve cost-curve.json]
 
 Decodes each prompt greedily once, records what a cycle would accept at every
 position and block size (``dflash_mlx.bench.replay.acceptance_table``), then
@@ -11,17 +12,24 @@ measured first). The replay makes exactly the loop's cycles
 (tests/test_replay.py), so what differs between the arms is the policy alone;
 where ``dflash-mlx bench`` ranks them otherwise, the curve's prices differ from
 what the cycles cost. Tokens per second here are priced, not timed.
+``--tables`` keeps the records in a file (read back when it exists: the
+prompts' replies are decoded and recorded once, about 10 ms a position and
+block size on the demo pair); ``--curve`` prices on a cached curve file
+(``~/.cache/dflash-mlx/cost-curves/*.json``) instead of this machine's.
 """
 
 import argparse
+import json
+from pathlib import Path
 
 from dflash_mlx import Target, generate, load, load_draft
+from dflash_mlx.atomic import write_text
 from dflash_mlx.bench.prompts import select_prompts
 from dflash_mlx.bench.replay import acceptance_table, replay
 from dflash_mlx.chat import encode, template_ids
 from dflash_mlx.demo import demo_pair
 from dflash_mlx.loop.block_policy import AdaptiveBlock, FixedBlock
-from dflash_mlx.loop.cost_curve import cost_curve
+from dflash_mlx.loop.cost_curve import CostCurve, cost_curve
 
 pair = demo_pair()
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,30 +39,46 @@ parser.add_argument("--prompts", default="demo", help="demo, builtin or a JSONL 
 parser.add_argument("--no-chat-template", action="store_true", help="feed prompts as they are")
 parser.add_argument("--max-tokens", type=int, default=128)
 parser.add_argument("--blocks", default="4,8,16", help="fixed blocks to replay beside auto")
+parser.add_argument("--tables", help="read the records from this file if it exists, else write them to it")
+parser.add_argument("--curve", help="a cached cost-curve file to price on (default: this machine's)")
 args = parser.parse_args()
 
 model, tokenizer = load(args.model)
 draft = load_draft(args.draft)
 target = Target(model)
-curve = cost_curve(target, draft)
+curve = CostCurve.from_dict(json.loads(Path(args.curve).read_text())["curve"]) if args.curve else cost_curve(target, draft)
+
+
+def recorded() -> list[dict]:
+    """Each prompt's id, length and acceptance table: from ``--tables``, else decoded and recorded."""
+    if args.tables and Path(args.tables).exists():
+        return json.loads(Path(args.tables).read_text())
+    records = []
+    for k, p in enumerate(select_prompts(args.prompts, None, None)):
+        ids = encode(tokenizer, p["prompt"]) if args.no_chat_template else template_ids(tokenizer, p["prompt"])
+        reply = generate(model, draft, tokenizer, ids, max_tokens=args.max_tokens,
+                         block_size=draft.config.block_size).tokens
+        if len(reply) > 1:
+            records.append({"id": p.get("id", k), "prompt_tokens": len(ids),
+                            "table": acceptance_table(target, draft, ids, reply)})
+    if args.tables:
+        write_text(Path(args.tables), json.dumps(records))
+    return records
+
+
 fixed = [int(b) for b in args.blocks.split(",")]
 arms = {"auto": lambda: AdaptiveBlock(curve, draft.config.block_size)}
 arms.update({f"b={b}": (lambda b=b: FixedBlock(b)) for b in fixed})
 totals = {name: [0, 0.0, 0] for name in arms}  # tokens, seconds, cycles
-for k, p in enumerate(select_prompts(args.prompts, None, None)):
-    ids = encode(tokenizer, p["prompt"]) if args.no_chat_template else template_ids(tokenizer, p["prompt"])
-    reply = generate(model, draft, tokenizer, ids, max_tokens=args.max_tokens, block_size=max(fixed)).tokens
-    if len(reply) < 2:
-        continue
-    table = acceptance_table(target, draft, ids, reply)
+for record in recorded():
     row = []
     for name, policy in arms.items():
-        out = replay(table, len(ids), policy(), curve, args.max_tokens)
+        out = replay(record["table"], record["prompt_tokens"], policy(), curve, args.max_tokens)
         totals[name][0] += out.tokens
         totals[name][1] += out.seconds
         totals[name][2] += len(out.blocks)
         row.append(f"{name} {out.tokens / out.seconds:.0f}")
-    print(f"{p.get('id', k)}: {len(reply)} tokens, priced tokens/s: " + ", ".join(row), flush=True)
+    print(f"{record['id']}: {len(record['table'])} tokens, priced tokens/s: " + ", ".join(row), flush=True)
 
 rates = {name: tokens / seconds for name, (tokens, seconds, _) in totals.items()}
 best = max((r, name) for name, r in rates.items() if name != "auto")
