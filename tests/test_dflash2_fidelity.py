@@ -180,6 +180,7 @@ def test_logits_paths_and_q_rows_follow_the_equations(tmp_path, target, case):
     W, k = published_layout(tmp_path), cfg["dflash_config"]["selector_top_k"]
     draft = load_draft(str(tmp_path))
     assert draft.config.block_size == BLOCK
+    blocks = []  # each seed's (hidden, logits), anchor and greedy path: walked together below
     for seed in range(3):
         features, y = features_and_anchor(config, seed)
         proposer = DFlash2Proposer(draft, model_target)
@@ -188,6 +189,7 @@ def test_logits_paths_and_q_rows_follow_the_equations(tmp_path, target, case):
         assert close(z, want), f"block logits differ by {np.abs(z - want).max():.2e}"
         path, q = proposer.draft_block(mx.array([y]), BLOCK, BlockSampler(SamplingParams()))
         assert q is None and path.tolist() == greedy_path(W, k, hidden, want, y)
+        blocks.append((proposer._rows(mx.array([y]), BLOCK), y, path.tolist()))
         for draw in range(8):  # sampled paths: each row's q follows the token drawn before it
             sampler = BlockSampler(SamplingParams(temperature=1.5, seed=draw))
             path, q = proposer.draft_block(mx.array([y]), BLOCK, sampler)
@@ -196,6 +198,10 @@ def test_logits_paths_and_q_rows_follow_the_equations(tmp_path, target, case):
             assert np.array_equal(q > 0, q_want > 0), "q is not zero exactly outside the candidates"
             assert np.abs(q - q_want).max() < 1e-4
             assert all(q_want[j, d] > 0 for j, d in enumerate(path.tolist()))
+    walked = draft.candidate_selector.greedy_walk(  # a batch's rows at T = 0: each block's walk, as alone
+        mx.stack([h for (h, _), _, _ in blocks]), mx.stack([z for (_, z), _, _ in blocks]),
+        mx.array([y for _, y, _ in blocks]))
+    assert walked.tolist() == [path for _, _, path in blocks]
 
 
 def test_the_fixtures_tell_the_variants_apart(tmp_path, target):

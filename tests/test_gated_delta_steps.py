@@ -18,7 +18,7 @@ from mlx_lm.models.gated_delta import gated_delta_ops, gated_delta_update
 
 from dflash_mlx import Target
 from dflash_mlx.bench.rollback_cost import graph_ops
-from dflash_mlx.targets.gated_delta import restore
+from dflash_mlx.targets.gated_delta import restore, restore_rows
 from dflash_mlx.targets.gated_delta_steps import CHECKPOINT_EVERY, steps
 from dflash_mlx.kernels.gdn import make_inputs
 
@@ -66,16 +66,18 @@ def test_vector_gating_is_refused():
 
 
 # ---------------------------------------------------------------- rollback
-def _verified_block(block: int):
-    """A tiny qwen3_5 target after a prompt and one recorded block (evaluated)."""
+def _verified_block(block: int, rows: int = 1):
+    """A tiny qwen3_5 target after a prompt and one recorded block (evaluated),
+    for ``rows`` requests side by side (row r's tokens shifted by r)."""
     from checkpoints import build_target
 
     model, _ = build_target("qwen3_5", seed=3)
     model.eval()
     target = Target(model)
     cache = target.make_cache()
-    target.forward(mx.array([[5, 17, 3, 99]]), cache, [0])
-    forward = target.forward(mx.array([[7, 1, 42, 8, 13, 2, 64, 11, 9][:block]]), cache, [0], record=True)
+    prompt, tokens = [5, 17, 3, 99], [7, 1, 42, 8, 13, 2, 64, 11, 9][:block]
+    target.forward(mx.array([[t + r for t in prompt] for r in range(rows)]), cache, [0])
+    forward = target.forward(mx.array([[t + r for t in tokens] for r in range(rows)]), cache, [0], record=True)
     mx.eval(forward.hidden, [c.state for c in cache], [r.states for r in forward.records if r is not None])
     return cache, forward
 
@@ -116,3 +118,26 @@ def test_rollback_cost_bench_on_a_tiny_hybrid():
     assert result["t_ar_ms"] > 0 and result["t_verify_ms"] > 0
     rec = result["recurrence"]
     assert rec["steps_nodes"] < rec["mlx_lm_nodes"]
+
+
+@pytest.mark.parametrize("block", [5, 8])
+def test_rows_roll_back_each_to_its_own_restore_in_one_batched_replay(block):
+    """A batch's rows, each keeping its own count, get bit for bit the state and
+    conv window ``restore`` gives that row alone; the steps after the rows'
+    kept states are replayed once for the batch, not once per row."""
+    cache, forward = _verified_block(block, rows=3)
+    linear = [(i, r) for i, r in enumerate(forward.records) if r is not None]
+    for a in range(block + 1):
+        for b in range(block + 1):
+            keeps = [a, b, (a + 2 * b) % (block + 1)]
+            for i, r in linear:
+                rolled = ArraysCache(2)
+                rolled.cache = list(cache[i].cache)
+                restore_rows(rolled, r, keeps)
+                if len(set(keeps)) > 1:
+                    assert graph_ops(rolled[1])["Sum"] <= r.every - 1, f"keeps {keeps}: steps replayed per row"
+                for row, keep in enumerate(keeps):
+                    alone = ArraysCache(2)
+                    restore(alone, r.row(row), keep)
+                    assert mx.array_equal(rolled[1][row : row + 1], alone[1]).item(), f"layer {i}, keeps {keeps}"
+                    assert mx.array_equal(rolled[0][row : row + 1], alone[0]).item(), f"layer {i}, keeps {keeps}"

@@ -31,55 +31,68 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embedding(vocab_size, rank)
 
     def candidates(self, logits: mx.array) -> mx.array:
-        """C_j: the top-k ids [n, k] of each row of logits [n, V], unordered
-        (a choice, so no gradient flows through it when training)."""
+        """C_j: the top-k ids [..., n, k] of each row of logits [..., n, V],
+        unordered (a choice, so no gradient flows through it when training)."""
         k = min(self.top_k, logits.shape[-1])
-        return mx.stop_gradient(mx.argpartition(-logits, k - 1, axis=-1)[:, :k])
+        return mx.stop_gradient(mx.argpartition(-logits, k - 1, axis=-1)[..., :k])
 
     def prepare(self, hidden: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """(C [n, k], z over C [n, k], e_j * S[c] [n, k, R]) from normed hidden
-        [n, H] and scaled logits [n, V]: what every row's scores need but the
-        previous token."""
+        """(C [..., n, k], z over C [..., n, k], e_j * S[c] [..., n, k, R]) from
+        normed hidden [..., n, H] and scaled logits [..., n, V]: what every
+        row's scores need but the previous token."""
         candidates = self.candidates(logits)
         unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
         e = self.hidden_projection(hidden).astype(mx.float32)
-        edges = self.successor_codebook(candidates).astype(mx.float32) * e[:, None]
+        edges = self.successor_codebook(candidates).astype(mx.float32) * e[..., None, :]
         return candidates, unary, edges
 
     def scores(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> tuple[mx.array, mx.array]:
         """(C [n, k], scores [n, k, k]): entry [j, s, c] is s_j(c) after the
         parent in slot s of C_{j-1} (row 0: after the anchor, the same in every
         slot). One batched product for every row and parent, so a walk only
-        picks rows."""
+        picks rows. With a leading batch (hidden [B, n, H], logits [B, n, V],
+        anchor [B]) every block's, each after its own anchor."""
         candidates, unary, edges = self.prepare(hidden, logits)
-        k = candidates.shape[1]
-        parents = mx.concatenate([mx.broadcast_to(anchor.reshape(1, 1), (1, k)).astype(candidates.dtype),
-                                  candidates[:-1]])
-        P = self.predecessor_codebook(parents).astype(mx.float32)  # [n, k parents, R]
-        return candidates, unary[:, None, :] + P @ edges.transpose(0, 2, 1)
+        lead, k = candidates.shape[:-2], candidates.shape[-1]
+        first = mx.broadcast_to(anchor.reshape(*lead, 1, 1), (*lead, 1, k)).astype(candidates.dtype)
+        parents = mx.concatenate([first, candidates[..., :-1, :]], axis=-2)
+        P = self.predecessor_codebook(parents).astype(mx.float32)  # [..., n, k parents, R]
+        return candidates, unary[..., None, :] + P @ mx.swapaxes(edges, -1, -2)
 
     def walk(self, hidden: mx.array, logits: mx.array, anchor: mx.array, temperature: float = 0.0,
              key: Optional[mx.array] = None) -> tuple[mx.array, Optional[mx.array]]:
         """(drafted [n] int32, q [n, V] float32 log-probabilities or None at T = 0)
         from hidden [n, H] and scaled logits [n, V] of rows 1..n, after anchor [1]."""
+        if temperature == 0:
+            return self.greedy_walk(hidden[None], logits[None], anchor)[0], None
         n, V = logits.shape
         candidates, scores = self.scores(hidden, logits, anchor)
         k = candidates.shape[1]
-        if temperature > 0:
-            scores = scores / temperature
-            scores = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
-        rows_by_parent = scores.reshape(n * k, k)
-        keys = mx.random.split(key, n) if temperature > 0 else None
+        scores = scores / temperature
+        rows_by_parent = (scores - mx.logsumexp(scores, axis=-1, keepdims=True)).reshape(n * k, k)
+        keys = mx.random.split(key, n)
         slot, slots, rows = mx.array(0), [], []
         for j in range(n):
             row = rows_by_parent[j * k + slot]  # after the token chosen in row j - 1
-            slot = mx.random.categorical(row, key=keys[j]) if temperature > 0 else mx.argmax(row)
+            slot = mx.random.categorical(row, key=keys[j])
             slots.append(slot)
             rows.append(row)
         drafted = mx.take_along_axis(candidates, mx.stack(slots)[:, None], axis=1)[:, 0].astype(mx.int32)
-        if temperature == 0:
-            return drafted, None
         return drafted, scatter(candidates, mx.stack(rows), V)
+
+    def greedy_walk(self, hidden: mx.array, logits: mx.array, anchors: mx.array) -> mx.array:
+        """drafted [B, n] int32: the walk at T = 0 of B blocks at once, from
+        hidden [B, n, H] and scaled logits [B, n, V], block r after anchors[r];
+        each block's drafts are the ones its walk alone chooses."""
+        candidates, scores = self.scores(hidden, logits, anchors)
+        B, n, k = candidates.shape
+        rows_by_parent = scores.reshape(B * n * k, k)
+        slot, slots = mx.zeros((B,), dtype=mx.uint32), []
+        for j in range(n):  # block r's row j after its slot of row j - 1: r * n * k + j * k + slot
+            at = mx.array([(r * n + j) * k for r in range(B)], dtype=mx.uint32)
+            slot = mx.argmax(rows_by_parent[at + slot], axis=-1)
+            slots.append(slot)
+        return mx.take_along_axis(candidates, mx.stack(slots, axis=1)[..., None], axis=-1)[..., 0].astype(mx.int32)
 
     def transitions(self, hidden: mx.array, logits: mx.array, anchor: mx.array) -> tuple[mx.array, mx.array]:
         """(C [n, k], log-probs [n, k, k]) for a tree: ``scores`` as log softmax

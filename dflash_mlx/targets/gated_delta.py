@@ -179,17 +179,23 @@ def restore_rows(cache: ArraysCache, record: GatedDeltaRecord, keeps: list[int])
     ``keeps[r]`` recorded steps, each as ``restore`` sets a request's own
     cache, so a row's state is the one it would have alone: where the block
     ran in the verify kernel, one ``gdn_replay`` launch with each row's own
-    step count; elsewhere row by row."""
+    step count; where it ran in ``gated_delta_steps``, each row's last kept
+    state and the few steps after it replayed for all rows at once; else row by row."""
     if len(set(keeps)) == 1:
         restore(cache, record, keeps[0])
         return
+    window = record.conv_input.shape[1] - record.q.shape[1]
+    at = (mx.array(keeps, dtype=mx.int32)[:, None] + mx.arange(window, dtype=mx.int32))[..., None]
     if record.g is not None and gdn_kernels.REPLAY.enabled():
         args = (record.k, record.v, record.g, record.beta, record.state, mx.array(keeps, dtype=mx.int32))
         if gdn_kernels.REPLAY.active(*args):
-            window = record.conv_input.shape[1] - record.q.shape[1]
-            cache[0] = mx.concatenate([record.conv_input[r : r + 1, k : k + window] for r, k in enumerate(keeps)])
+            cache[0] = mx.take_along_axis(record.conv_input, at, axis=1)
             (cache[1],) = gdn_kernels.REPLAY.launch(*args)
             return
+    if record.states is not None:
+        cache[0] = mx.take_along_axis(record.conv_input, at, axis=1)
+        cache[1] = _replayed_rows(record, keeps)
+        return
     rows = []
     for r, keep in enumerate(keeps):
         row = ArraysCache(2)
@@ -197,6 +203,28 @@ def restore_rows(cache: ArraysCache, record: GatedDeltaRecord, keeps: list[int])
         rows.append(row)
     cache[0] = mx.concatenate([row[0] for row in rows])
     cache[1] = mx.concatenate([row[1] for row in rows])
+
+
+def _replayed_rows(record: GatedDeltaRecord, keeps: list[int]) -> mx.array:
+    """Every row's state after its first ``keeps[r]`` steps, from the states
+    ``gated_delta_steps`` kept: row r's last one at or before its keep, then
+    its remaining steps (fewer than ``every``), stepped for all rows together
+    (a row with none left keeps its state). Each row's arithmetic is the one
+    ``restore`` does for it alone."""
+    every, T = record.every, record.q.shape[1]
+    kept = [record.state, *record.states]  # kept[c]: the state after c * every steps
+    starts = [keep // every * every for keep in keeps]
+    state = mx.concatenate([kept[start // every][r : r + 1] for r, start in enumerate(starts)])
+    gdn = record.layer
+    for i in range(max(keep - start for keep, start in zip(keeps, starts))):
+        t = mx.array([min(start + i, T - 1) for start in starts], dtype=mx.int32)
+        q, k, v, a, b = (mx.take_along_axis(x, t.reshape(-1, *[1] * (x.ndim - 1)), axis=1)
+                         for x in (record.q, record.k, record.v, record.a, record.b))
+        _, stepped = gated_delta_steps.steps(q, k, v, compute_g(gdn.A_log, a, gdn.dt_bias), mx.sigmoid(b), state,
+                                             every)
+        going = mx.array([start + i < keep for keep, start in zip(keeps, starts)]).reshape(-1, 1, 1, 1)
+        state = mx.where(going, stepped[-1], state)
+    return state
 
 
 class GatedDelta:
