@@ -241,6 +241,12 @@ def test_the_draft_follows_the_dspark_equations(loaded):
     want = z - np.log(np.exp(z).sum(-1, keepdims=True))
     assert np.allclose(np.array(q, dtype=np.float64), want, atol=1e-3)
 
+    # a batch's greedy rows walk at once (``greedy_walk``): each block's walk is its own
+    blocks, anchors = [ours[0], ours[0][::-1], 0.5 * ours[0]], [anchor.item(), 7, 123]
+    walked = draft.greedy_walk(mx.array(np.stack(blocks), dtype=mx.float32), mx.array(anchors))
+    hidden = np.zeros((GAMMA, cfg["hidden_size"]))  # the confidences are not compared
+    assert walked.tolist() == [markov_walk(w, hidden, U, a, GAMMA)[1] for U, a in zip(blocks, anchors)]
+
 
 # ---------------------------------------------------------------- lossless and bounded
 

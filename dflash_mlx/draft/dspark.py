@@ -253,6 +253,15 @@ class DSparkDraft(DFlashDraft):
         q = None if qs[0] is None else mx.concatenate(qs)
         return drafted, q, self.confidence(hidden, mx.concatenate([anchor.astype(mx.int32), drafted[:-1]]))
 
+    def greedy_walk(self, logits: mx.array, anchors: mx.array) -> mx.array:
+        """drafted [B, n] int32: ``walk`` with the argmax for B blocks at once,
+        from base logits [B, n, V], block r after anchors[r]."""
+        previous, drafted = anchors.astype(mx.int32), []
+        for k in range(logits.shape[1]):
+            previous = mx.argmax(self.markov_z(logits[:, k], previous), axis=-1).astype(mx.int32)
+            drafted.append(previous)
+        return mx.stack(drafted, axis=1)
+
     def confidence(self, hidden: mx.array, previous: mx.array) -> Optional[mx.array]:
         """c_k [n] from hidden [n, H] and the tokens x_{k-1} [n] before each slot's draft."""
         if self.confidence_head is None:

@@ -77,20 +77,22 @@ class DraftRows:
         proposer = self.proposer
         hidden = proposer.block_hidden_rows(ys, block_size)  # [B, b-1, H]
         logits = self.draft.scale_logits(proposer.head(hidden))
-        if isinstance(proposer, DFlash2Proposer):  # the candidate selector's walk, as a request alone drafts
+        # argmax-only rows' drafts, every row's at once (unevaluated where no row uses them), as a request alone drafts
+        if isinstance(proposer, DFlash2Proposer):  # the candidate selector's walk
             greedy = self.draft.candidate_selector.greedy_walk(hidden, logits, ys)
+        elif isinstance(proposer, DSparkProposer):  # the Markov walk; no confidence schedule
+            greedy = self.draft.greedy_walk(logits, ys)
         else:
             greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
-        # argmax-only rows' drafts, every row's at once (unevaluated where no row uses them)
         sound = sound_logits(logits, axis=(1, 2))  # per row
         drafts = []
         for i, row in enumerate(rows):
-            if isinstance(proposer, DSparkProposer):  # each row's own Markov walk and sampler; no confidence schedule
-                drafted, q, _ = self.draft.walk(hidden[i], logits[i], ys[i : i + 1], row.sampler.draft)
-            elif isinstance(proposer, DFlash2Proposer) and not row.sampler.argmax_only:  # a sampled walk, row by row
-                drafted, q = proposer.walk(hidden[i], logits[i], ys[i : i + 1], row.sampler)
-            elif row.sampler.argmax_only:
+            if row.sampler.argmax_only:
                 drafted, q = greedy[i], None
+            elif isinstance(proposer, DSparkProposer):  # each other row's own walk and sampler
+                drafted, q, _ = self.draft.walk(hidden[i], logits[i], ys[i : i + 1], row.sampler.draft)
+            elif isinstance(proposer, DFlash2Proposer):
+                drafted, q = proposer.walk(hidden[i], logits[i], ys[i : i + 1], row.sampler)
             else:
                 drafted, q = row.sampler.draft(logits[i])
             drafts.append((drafted, q, sound[i]))
