@@ -76,21 +76,21 @@ def dspark_arms(model_path: str, draft_path: str, names: list[str], n: int) -> d
         return {}
     target, tokenizer = load_target(model_path, require_tap=True)
     arms = {}
-    for name in names:
-        quantized = name == "default"
-        with hub_layout(draft_path) as tmp:
+    with hub_layout(draft_path) as tmp:
+        for name in names:
+            quantized = name == "default"
             drafter, _ = load_dflash(tmp, quantize=quantized)
             drafter.bind(target.model)
             cap = None if name == "full" else static_cap(target, drafter, mode="dflash", target_repo=model_path,
                                                          drafter_repo=f"{draft_path}#{'q4' if quantized else 'full'}",
                                                          fallback=drafter.config.block_size - 1)
 
-        def run(ids, drafter=drafter, cap=cap):
-            r = dflash_generate(target, tokenizer, drafter, prompt_ids=list(ids), max_new_tokens=n,
-                                max_draft_tokens=cap, apply_chat_template=False)
-            return r.token_ids, r.decode_seconds, r.num_rounds
+            def run(ids, drafter=drafter, cap=cap):
+                r = dflash_generate(target, tokenizer, drafter, prompt_ids=list(ids), max_new_tokens=n,
+                                    max_draft_tokens=cap, apply_chat_template=False)
+                return r.token_ids, r.decode_seconds, r.num_rounds
 
-        arms[f"mlx-dspark {name}"] = run
+            arms[f"mlx-dspark {name}"] = run
     return arms
 
 
@@ -179,6 +179,7 @@ def main() -> None:
         print(f"{name:<18} {statistics.median(s):8.1f} {ratios[0]:9.2f}x "
               + " ".join(f"{r:23.2f}x" for r in ratios[1:])
               + f" {identical[name]:>5}/{len(prompts)} {made[name][0] / max(made[name][1], 1):13.2f}")
+
 
 if __name__ == "__main__":
     main()

@@ -184,16 +184,14 @@ def restore_rows(cache: ArraysCache, record: GatedDeltaRecord, keeps: list[int])
     if len(set(keeps)) == 1:
         restore(cache, record, keeps[0])
         return
-    window = record.conv_input.shape[1] - record.q.shape[1]
-    at = (mx.array(keeps, dtype=mx.int32)[:, None] + mx.arange(window, dtype=mx.int32))[..., None]
     if record.g is not None and gdn_kernels.REPLAY.enabled():
         args = (record.k, record.v, record.g, record.beta, record.state, mx.array(keeps, dtype=mx.int32))
         if gdn_kernels.REPLAY.active(*args):
-            cache[0] = mx.take_along_axis(record.conv_input, at, axis=1)
+            cache[0] = _conv_windows(record, keeps)
             (cache[1],) = gdn_kernels.REPLAY.launch(*args)
             return
     if record.states is not None:
-        cache[0] = mx.take_along_axis(record.conv_input, at, axis=1)
+        cache[0] = _conv_windows(record, keeps)
         cache[1] = _replayed_rows(record, keeps)
         return
     rows = []
@@ -203,6 +201,13 @@ def restore_rows(cache: ArraysCache, record: GatedDeltaRecord, keeps: list[int])
         rows.append(row)
     cache[0] = mx.concatenate([row[0] for row in rows])
     cache[1] = mx.concatenate([row[1] for row in rows])
+
+
+def _conv_windows(record: GatedDeltaRecord, keeps: list[int]) -> mx.array:
+    """Every row's conv window after its first ``keeps[r]`` recorded steps, in one gather."""
+    window = record.conv_input.shape[1] - record.q.shape[1]
+    at = mx.array(keeps, dtype=mx.int32)[:, None] + mx.arange(window, dtype=mx.int32)
+    return mx.take_along_axis(record.conv_input, at[..., None], axis=1)
 
 
 def _replayed_rows(record: GatedDeltaRecord, keeps: list[int]) -> mx.array:
