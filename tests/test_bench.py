@@ -502,18 +502,28 @@ def test_bench_names_a_dspark_drafts_architecture(target_dirs, tmp_path):
 
 def test_cycle_phases_runs_the_loops_cycles_phase_by_phase():
     """The phase-by-phase replica of a cycle accepts exactly what the real loop
-    accepts, cycle for cycle, on the demo pair's trained draft."""
+    accepts, cycle for cycle, on the demo pair's trained DFlash2 draft: as
+    ``stream_generate`` drafts (the candidate selector's walk, not the argmax)."""
     import mlx.core as mx
 
-    from dflash_mlx import load, load_draft
+    from dflash_mlx import load, load_draft, stream_generate
     from dflash_mlx.bench.cycle_phases import PHASES, cycle_phases
     from dflash_mlx.demo import demo_pair
 
     pair = demo_pair()
     model, tokenizer = load(str(pair.target))
+    draft = load_draft(str(pair.draft))
     prompts = [mx.array(tokenizer.encode(p)) for p in pair.load_prompts()[:2]]
-    result = cycle_phases(model, load_draft(str(pair.draft)), prompts, block=8, max_tokens=48)
+    result = cycle_phases(model, draft, prompts, block=8, max_tokens=48)
     assert result["accepted"] == result["loop_accepted"]
+    streamed = []
+    for prompt in prompts:  # the cycles the replica runs: until 48 tokens are made
+        made = 1
+        for r in stream_generate(model, draft, tokenizer, prompt, block_size=8, max_tokens=64):
+            if r.block_size > 1 and made < 48:
+                streamed.append(r.accepted)
+                made += r.accepted + 1
+    assert result["accepted"] == streamed
     assert max(result["accepted"]) > 0 and result["tau"] > 1
     assert all(result["phases"][p]["eval_ms"] > 0 for p in PHASES)
     assert result["loop_cycle_ms"] > 0 and result["t_ar_ms"] > 0 and result["verify_nodes"] > 0

@@ -5,7 +5,8 @@ Each cycle runs the steps of ``SpeculativeDecoder.cycle`` through the same
 public pieces, with the host waiting after each phase so that each is timed
 alone, graph building (Python) apart from evaluation:
 
-- draft: ``DraftProposer.propose`` and the argmax of its logits;
+- draft: the draft's own proposer (``proposer_for``: a DFlash2 draft's
+  candidate-selector walk, a DSpark draft's Markov walk) drafting greedily;
 - verify: ``Target.forward`` over the block with ``record=True``, the logits
   and greedy acceptance, up to the host reading the accepted length;
 - rollback: ``Target.rollback`` to the kept tokens;
@@ -22,7 +23,7 @@ import time
 import mlx.core as mx
 
 from ..draft import DFlashDraft
-from ..loop import BlockSampler, DraftProposer, SamplingParams, SpeculativeDecoder
+from ..loop import BlockSampler, Proposer, SamplingParams, SpeculativeDecoder, propose_block, proposer_for
 from ..targets import Target
 from .rollback_cost import graph_ops
 from .synthetic import _autoregressive
@@ -34,13 +35,13 @@ def _ms(tic: float) -> float:
     return (time.perf_counter() - tic) * 1e3
 
 
-def _cycle_phases(target: Target, proposer: DraftProposer, layer_ids: list[int], cache: list,
+def _cycle_phases(target: Target, proposer: Proposer, layer_ids: list[int], cache: list,
                   y: mx.array, block: int) -> tuple[dict, mx.array, int]:
     """One cycle, phase by phase: ({phase: (build ms, eval ms)}, next y, accepted)."""
     times = {}
     tic = time.perf_counter()
     sampler = BlockSampler(SamplingParams())
-    drafted, _ = sampler.draft(proposer.propose(y, block))
+    drafted, _, _ = propose_block(proposer, y, block, sampler)
     built = _ms(tic)
     mx.eval(drafted)
     times["draft"] = (built, _ms(tic) - built)
@@ -84,7 +85,7 @@ def cycle_phases(model, draft: DFlashDraft, prompts: list[mx.array], block: int,
     accepted, loop_accepted, loop_ms, ar_ms = [], [], [], []
     for prompt in prompts:
         cache = target.make_cache()
-        proposer = DraftProposer(draft, target)
+        proposer = proposer_for(draft, target)
         decoder = SpeculativeDecoder(target, proposer, layer_ids, block, cache=cache)
         y, made = mx.array([decoder.prefill(prompt)]), 1
         decoder.close()
@@ -95,7 +96,7 @@ def cycle_phases(model, draft: DFlashDraft, prompts: list[mx.array], block: int,
                 phases[p][1].append(run)
             accepted.append(a)
             made += a + 1
-        decoder = SpeculativeDecoder(target, DraftProposer(draft, target), layer_ids, block)
+        decoder = SpeculativeDecoder(target, proposer_for(draft, target), layer_ids, block)
         decoder.prefill(prompt)
         made = 1
         while made < max_tokens:
@@ -116,6 +117,7 @@ def cycle_phases(model, draft: DFlashDraft, prompts: list[mx.array], block: int,
                    for p, (b, e) in phases.items()},
         "loop_cycle_ms": statistics.median(loop_ms),
         "t_ar_ms": statistics.median(ar_ms),
+        "samples": {"phases": phases, "loop_ms": loop_ms, "t_ar_ms": ar_ms},  # every cycle's (prompt's for t_AR)
         "verify_nodes": verify_nodes(target, layer_ids, prompts[0], block),
     }
 
