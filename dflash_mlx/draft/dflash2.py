@@ -79,11 +79,13 @@ class DFlash2Config(DraftConfig):
         return cfg
 
 
+@mx.compile
 def grouped_conv(x: mx.array, base: mx.array, dynamic: mx.array, group_size: int) -> mx.array:
     """Causal conv over the rows of x [B, L, H]: static taps base [K, H] plus
     dynamic taps dynamic [B, L, K, G], one per row and channel group. The K
     shifted copies of x are stacked and weighed in one product (about 18 graph
-    nodes at K = 2, where a loop over the taps takes 30)."""
+    nodes at K = 2, where a loop over the taps takes 30), compiled so its
+    elementwise ops fuse."""
     B, L, H = x.shape
     K, G = base.shape[0], H // group_size
     padded = mx.pad(x, [(0, 0), (K - 1, 0), (0, 0)])

@@ -230,12 +230,25 @@ class DraftAttention(nn.Module):
             config.rope_scaling,
             config.max_position_embeddings,
         )
+        self._fused_heads = mx.compile(self._heads)
 
-    def keys_values(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+    def _heads(self, x: mx.array, weight: mx.array, eps: float, offset) -> mx.array:
+        return self.rope(mx.fast.rms_norm(x, weight, eps).transpose(0, 2, 1, 3), offset=offset)
+
+    def heads(self, x: mx.array, norm: nn.RMSNorm, offset) -> mx.array:
+        """rope(norm(x)) over heads x [B, L, n, hd], as [B, n, L, hd] at
+        positions offset.. (an int, or [B] per row), compiled so the norm's and
+        the RoPE's fallback ops (about 40 graph nodes on CPU) fuse, where the
+        RoPE is a plain one: it takes its offset as an array, so one trace
+        serves every position (mlx-lm's scaled RoPEs may need an int)."""
+        if type(self.rope) is not nn.RoPE:
+            return self._heads(x, norm.weight, norm.eps, offset)
+        return self._fused_heads(x, norm.weight, norm.eps, mx.array(offset, dtype=mx.int32))
+
+    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
         """K = rope(k_norm(k_proj x)) at positions offset.., V = v_proj x."""
         B, L, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1))
-        k = self.rope(k.transpose(0, 2, 1, 3), offset=offset)
+        k = self.heads(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1), self.k_norm, offset)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return k, v
 
@@ -244,8 +257,7 @@ class DraftAttention(nn.Module):
             return self.rows(x, cache)
         B, L, _ = x.shape
         offset = cache.offset
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
-        q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        q = self.heads(self.q_proj(x).reshape(B, L, self.n_heads, -1), self.q_norm, offset)
         keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
         cache.trim(L)  # the block is attended to, never kept
         start = self.first_visible(offset)
@@ -259,8 +271,7 @@ class DraftAttention(nn.Module):
         (``targets/rows.py``): each row's positions and mask are its own."""
         B, L, _ = x.shape
         offset = cache.offset  # [B]
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
-        q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        q = self.heads(self.q_proj(x).reshape(B, L, self.n_heads, -1), self.q_norm, offset)
         mask = cache.visible(L, self.sliding_window, self.causal)
         keys, values = cache.update_and_fetch(*self.keys_values(x, offset))
         cache.trim(L)  # the block is attended to, never kept
