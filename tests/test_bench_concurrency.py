@@ -2,14 +2,17 @@
 decoding beside our batch decoder, every reply identical to the request decoded
 alone, the JSON report's fields, and bad widths refused. No timing is asserted."""
 
+import io
 import json
 
 import pytest
 from cli_run import cli, one_error_line
+from rich.console import Console
 from typer.testing import CliRunner
 
 from dflash_mlx.bench.concurrency import waves
-from dflash_mlx.bench.concurrency_report import DFLASH, MLX_LM, SCHEMA, validate_report
+from dflash_mlx.bench.concurrency_report import DFLASH, MLX_LM, SCHEMA, render, validate_report
+from dflash_mlx.bench.render import console
 from dflash_mlx.cli import app
 
 PROMPTS = [
@@ -68,6 +71,18 @@ def test_widths_one_and_two_on_a_tiny_pair(target_dirs, draft_dir, tmp_path):
     assert runs[:4] == [(1, 0, MLX_LM), (1, 0, DFLASH), (1, 1, DFLASH), (1, 1, MLX_LM)]
     assert [r["prompts"] for r in report["runs"] if r["width"] == 2][::2] == [[0, 1], [2, 0]]
     assert "mlx-lm tok/s" in output and "= alone" in output
+
+
+def test_a_near_tie_note_does_not_squeeze_the_piped_table(target_dirs, draft_dir, tmp_path):
+    """Piped output is wide enough for the table's natural width: a near-tie
+    noted beside "= mlx-lm" once made it squeeze, wrapping "mlx-lm tok/s"."""
+    _, report = concurrency_run(tmp_path, target_dirs["qwen3"], draft_dir("qwen3", block_size=4), PROMPTS[:2],
+                                "--concurrency", "1", "-n", "4", "-b", "4", "--no-chat-template")
+    for entry in report["summary"].values():
+        entry[DFLASH]["vs_mlx_lm"]["near_ties"] = 1
+    out = io.StringIO()
+    render(report, Console(file=out, width=console().width))  # the width ``bench`` prints at when piped
+    assert "(+1 near-tie)" in out.getvalue() and "mlx-lm tok/s" in out.getvalue()
 
 
 def test_the_demo_pair_speculates_in_a_batch(tmp_path):

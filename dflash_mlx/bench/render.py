@@ -15,7 +15,7 @@ def console(stderr: bool = False):
     from rich.console import Console
 
     c = Console(stderr=stderr)
-    return c if c.is_terminal else Console(stderr=stderr, width=160)
+    return c if c.is_terminal else Console(stderr=stderr, width=240)
 
 
 def _f(x, fmt="{:.1f}", none="-") -> str:
