@@ -130,6 +130,7 @@ def main() -> None:
     from dflash import model_mlx as zlab
 
     model, tokenizer = load(args.model)
+    zmodel = load(args.model)[0]  # z-lab's own instance: its stream_generate wraps the model's layers in hooks
     draft = load_draft(args.draft)
     zdraft = load_zlab_draft(args.draft)
     prompts = pair.load_prompts()[: args.limit or None]
@@ -137,7 +138,7 @@ def main() -> None:
     eos = set(tokenizer.eos_token_ids)
     streamed = lambda stream: lambda ids: decode_run(stream(ids), eos)  # noqa: E731
     zlab_arms = {f"z-lab b={b}": streamed(lambda ids, b=int(b): zlab.stream_generate(
-        model, zdraft, tokenizer, ids, block_size=b, max_tokens=n)) for b in args.zlab_blocks.split(",")}
+        zmodel, zdraft, tokenizer, ids, block_size=b, max_tokens=n)) for b in args.zlab_blocks.split(",")}
     dspark = {name: (lambda ids, run=run: cut(run(ids), eos)) for name, run in dspark_arms(
         args.model, args.draft, [a for a in args.dspark_arms.split(",") if a], n).items()}
     arms = {
