@@ -1,5 +1,6 @@
-"""Where one verify cycle's time goes on the demo pair (or any pair), phase by
-phase, beside z-lab's loop (``dflash`` 0.1.0) where it is installed.
+"""Where one verify cycle's time goes, phase by phase, beside z-lab's loop where installed.
+
+On the demo pair by default (or any pair); z-lab's loop is ``dflash`` 0.1.0.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         python examples/cycle_phases.py --block 16 [--limit 8] [--json out.json]
