@@ -28,7 +28,7 @@ import time
 import mlx.core as mx
 
 from dflash_mlx import load, load_draft
-from dflash_mlx.bench.cycle_phases import PHASES, cycle_phases, main_phases
+from dflash_mlx.bench.cycle_phases import PHASES, cycle_phases, main_phases, medians
 from dflash_mlx.bench.rollback_cost import graph_ops
 from dflash_mlx.demo import demo_pair
 
@@ -123,14 +123,7 @@ def pooled(runs: list[dict]) -> dict:
     """Medians over every cycle of several runs (one per prompt)."""
     names = runs[0]["samples"]["phases"]
     phases = {p: [sum((r["samples"]["phases"][p][i] for r in runs), []) for i in (0, 1)] for p in names}
-    accepted = sum((r["accepted"] for r in runs), [])
-    out = {
-        "cycles": len(accepted),
-        "tau": 1 + statistics.mean(accepted),
-        "phases": {p: {"build_ms": statistics.median(b), "eval_ms": statistics.median(e)}
-                   for p, (b, e) in phases.items()},
-        "loop_cycle_ms": statistics.median(sum((r["samples"]["loop_ms"] for r in runs), [])),
-    }
+    out = medians(phases, sum((r["accepted"] for r in runs), []), sum((r["samples"]["loop_ms"] for r in runs), []))
     if "t_ar_ms" in runs[0]["samples"]:
         out["t_ar_ms"] = statistics.median(sum((r["samples"]["t_ar_ms"] for r in runs), []))
     return out
@@ -196,19 +189,20 @@ def main() -> None:
     if args.no_zlab:
         result = main_phases(model, draft, prompts, args.block, args.max_tokens)
     else:
+        zmodel = load(args.model)[0]  # z-lab's own instance: it wraps the model's layers in hooks
         zdraft = load_zlab_draft(args.draft)
-        zlab._patch_model(model, zdraft.config.target_layer_ids)  # what its stream_generate does first
-        zdraft.bind(model)
+        zlab._patch_model(zmodel, zdraft.config.target_layer_ids)  # what its stream_generate does first
+        zdraft.bind(zmodel)
         ours, theirs = [], []
         for i, prompt in enumerate(prompts):  # the two loops alternate, prompt by prompt
             arms = [lambda: ours.append(cycle_phases(model, draft, [prompt], args.block, args.max_tokens)),
-                    lambda: theirs.append(zlab_prompt(zlab, model, zdraft, tokenizer, prompt, args.block,
+                    lambda: theirs.append(zlab_prompt(zlab, zmodel, zdraft, tokenizer, prompt, args.block,
                                                       args.max_tokens))]
             for arm in arms if i % 2 == 0 else arms[::-1]:
                 arm()
         result = {"ours": pooled(ours), "zlab": pooled(theirs)}
         result["ours"]["verify_nodes"] = ours[0]["verify_nodes"]
-        result["zlab"]["verify_nodes"] = zlab_verify_nodes(model, prompts[0], args.block)
+        result["zlab"]["verify_nodes"] = zlab_verify_nodes(zmodel, prompts[0], args.block)
         side_by_side(result["ours"], result["zlab"], args.block)
     if args.json:
         with open(args.json, "w") as f:

@@ -76,6 +76,18 @@ def verify_nodes(target: Target, layer_ids: list[int], prompt: mx.array, block: 
     return sum(graph_ops(mx.argmax(target.logits(out.hidden), axis=-1), out.features).values())
 
 
+def medians(phases: dict, accepted: list[int], loop_ms: list[float]) -> dict:
+    """Cycles, tau, each phase's median build and eval ms and the loop's median
+    cycle from per-cycle samples (``phases``: name -> (build ms, eval ms))."""
+    return {
+        "cycles": len(accepted),
+        "tau": 1 + statistics.mean(accepted),
+        "phases": {p: {"build_ms": statistics.median(b), "eval_ms": statistics.median(e)}
+                   for p, (b, e) in phases.items()},
+        "loop_cycle_ms": statistics.median(loop_ms),
+    }
+
+
 def cycle_phases(model, draft: DFlashDraft, prompts: list[mx.array], block: int,
                  max_tokens: int = 128) -> dict:
     """Median per-cycle ms of each phase, of the real loop's cycle and of t_AR."""
@@ -109,13 +121,9 @@ def cycle_phases(model, draft: DFlashDraft, prompts: list[mx.array], block: int,
         ar_ms.append(1e3 / _autoregressive(model, prompt, max_tokens)[1])
     return {
         "block": block,
-        "cycles": len(accepted),
-        "tau": 1 + statistics.mean(accepted),
+        **medians(phases, accepted, loop_ms),
         "accepted": accepted,  # per cycle, phase by phase
         "loop_accepted": loop_accepted,  # per cycle, the real loop (the same when both are greedy)
-        "phases": {p: {"build_ms": statistics.median(b), "eval_ms": statistics.median(e)}
-                   for p, (b, e) in phases.items()},
-        "loop_cycle_ms": statistics.median(loop_ms),
         "t_ar_ms": statistics.median(ar_ms),
         "samples": {"phases": phases, "loop_ms": loop_ms, "t_ar_ms": ar_ms},  # every cycle's (prompt's for t_AR)
         "verify_nodes": verify_nodes(target, layer_ids, prompts[0], block),
