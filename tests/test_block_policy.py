@@ -15,7 +15,8 @@ from mlx_lm import load as mlx_lm_load
 from checkpoints import build_target
 from dflash_mlx import DFlashError, Target, generate, load_draft, stream_generate
 from dflash_mlx.loop.block_policy import (PRIOR_ACCEPTANCE, PRIOR_MARGIN, PROBE_BACKOFF_BUDGET, PROBE_BUDGET, PROBE_EVERY,
-                                          PROBE_FIRST_BUDGET, PROBE_WARMUP, AdaptiveBlock, FixedBlock)
+                                          PROBE_FIRST_BUDGET, PROBE_WARMUP, UNREACHED_RATE, AdaptiveBlock,
+                                          FixedBlock)
 from dflash_mlx.loop.cost_curve import CostCurve
 from dflash_mlx.loop.decoder import SpeculativeDecoder
 from dflash_mlx.loop.sampling import BlockSampler, SamplingParams, warp
@@ -71,6 +72,33 @@ def test_outcomes_update_only_the_positions_a_cycle_reached():
     assert policy.acceptance == [0.75, 0.25, 0.5, 0.5, 0.5]
     policy.update(3, 2)  # every drafted position accepted: no rejection to count
     assert policy.acceptance == [0.875, 0.625, 0.5, 0.5, 0.5]
+
+
+def test_positions_an_outcome_did_not_reach_move_back_toward_the_prior():
+    policy = AdaptiveBlock(FLAT, 6, prior=0.5, rate=0.5)
+    policy.acceptance = [1.0, 1.0, 0.0, 0.0, 1.0]
+    policy.update(3, 2)  # both drafts accepted: positions 3 to 5 not reached
+    assert policy.acceptance == [1.0, 1.0, UNREACHED_RATE * 0.5, UNREACHED_RATE * 0.5, 1.0 - UNREACHED_RATE * 0.5]
+    before = list(policy.acceptance)
+    policy.update(1, 0)  # a plain step drafts nothing: no outcome at all
+    assert policy.acceptance == before
+
+
+def test_a_block_cut_short_by_failing_cycles_grows_again_once_it_is_accepted_whole():
+    """Cycles rejected at the third draft pull c_3 down and the block to 3
+    or 4; when the text turns predictable every block of 3 is accepted whole and
+    never reaches position 3, so only its drift back toward the prior lets
+    the policy try a longer block, which then finds the drafts right."""
+    policy = AdaptiveBlock(CURVE, 16)
+    for _ in range(12):
+        b = policy.choose()
+        policy.update(b, min(2, b - 1))
+    assert policy.choose() <= 4
+    blocks = []
+    for _ in range(40):
+        blocks.append(policy.choose())
+        policy.update(blocks[-1], blocks[-1] - 1)
+    assert blocks == sorted(blocks) and blocks[-1] == 16
 
 
 def test_on_the_prior_alone_speculation_must_promise_a_margin():
@@ -205,9 +233,12 @@ def test_a_probe_is_verified_only_once_speculation_ran_and_where_that_costs_less
     assert policy.choose() == 4  # speculating
     for _ in range(3):
         policy.update(4, 0)
-    chosen = [policy.choose() for _ in range(2 * PROBE_EVERY)]
-    assert chosen[:PROBE_EVERY - 1] == [1] * (PROBE_EVERY - 1) and chosen[PROBE_EVERY - 1] > 1  # verified
-    assert policy.verified_probe_loss(2) < policy.drafted_probe_loss(2)
+    probe = policy.best(low=2)
+    gap = policy.probe_interval(probe)
+    chosen = [policy.choose() for _ in range(gap)]
+    assert gap >= PROBE_EVERY and chosen == [1] * (gap - 1) + [probe] and policy.verifying_probe  # verified
+    assert policy.probe() == 0  # nothing drafted beside a plain step
+    assert policy.verified_probe_loss(probe) < policy.drafted_probe_loss(probe)
 
 
 def test_outcomes_of_probes_update_the_positions_they_reached():

@@ -77,6 +77,15 @@ where the text turns predictable. A probe's
 outcome, either kind, weighs ``PROBE_RATE`` in each c_i it reached, more
 than a speculative cycle's ``RATE``.
 
+An outcome says nothing of the positions it did not reach (past its block,
+or past its first rejection), so each moves those c_i back toward the prior
+by ``UNREACHED_RATE``. Without that, a c_i that failing cycles pulled down
+stayed down while the shorter blocks it chose were accepted whole and never
+reached it: on one of the demo pair's held-out prompts the block fell to 3
+in the first cycles and stayed there for the whole reply (253 tokens/s,
+replayed on its recorded acceptance, against 345 at a fixed b = 8; 376
+with the drift back).
+
 Given the curve, the contexts and the outcomes, the choices are
 deterministic, unless a ``DriftWatch`` (``drift_watch.py``) scales the costs
 by the cycle times observed: a greedy generation's by those this process
@@ -97,6 +106,7 @@ PRIOR_MARGIN = 0.5  # on the prior alone, speculation must beat plain steps by t
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
 PROBE_WARMUP = 16  # generated tokens during which a probe that finds nothing does not back the next one off
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
+UNREACHED_RATE = 0.2  # how far each outcome moves the positions it did not reach back toward the prior
 
 
 class BlockPolicy(Protocol):
@@ -158,6 +168,7 @@ class AdaptiveBlock:
         self.probe_budget = probe_budget
         self.probe_warmup = probe_warmup
         self.watch = watch
+        self.prior = prior
         self.acceptance = [prior] * (max_block - 1)  # c_1 .. c_{max_block-1}
         self.plain_steps = 0  # cycles at b = 1 since speculation ran or a probe was taken
         self.context = 0  # tokens in the target's cache at the last choice
@@ -330,9 +341,19 @@ class AdaptiveBlock:
             self.failed_probes += 1
 
     def _learn(self, hits: list[float], rate: float) -> None:
-        self.learned = self.learned or bool(hits)
+        """Each position an outcome reached moves toward its hit; each it did
+        not reach (past its block, or past its first rejection) moves back
+        toward the prior by ``UNREACHED_RATE``: such an outcome says nothing
+        about them, and an estimate that failed cycles once pulled down would
+        otherwise stay there while the blocks they made too short keep being
+        accepted whole (see the module's docstring)."""
+        if not hits:
+            return
+        self.learned = True
         for i, hit in enumerate(hits[: self.max_block - 1]):
             self.acceptance[i] += rate * (hit - self.acceptance[i])
+        for i in range(len(hits), self.max_block - 1):
+            self.acceptance[i] += UNREACHED_RATE * (self.prior - self.acceptance[i])
 
 
 class ConfidenceSchedule:
