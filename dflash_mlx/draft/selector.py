@@ -17,6 +17,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..top_k import top_k_ids
+
 CODEBOOKS = ("predecessor_codebook", "successor_codebook")
 
 
@@ -33,8 +35,7 @@ class CandidateSelector(nn.Module):
     def candidates(self, logits: mx.array) -> mx.array:
         """C_j: the top-k ids [..., n, k] of each row of logits [..., n, V],
         unordered (a choice, so no gradient flows through it when training)."""
-        k = min(self.top_k, logits.shape[-1])
-        return mx.stop_gradient(mx.argpartition(-logits, k - 1, axis=-1)[..., :k])
+        return mx.stop_gradient(top_k_ids(logits, min(self.top_k, logits.shape[-1])))
 
     def prepare(self, hidden: mx.array, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(C [..., n, k], z over C [..., n, k], e_j * S[c] [..., n, k, R]) from
