@@ -74,11 +74,14 @@ def test_outcomes_update_only_the_positions_a_cycle_reached():
     assert policy.acceptance == [0.875, 0.625, 0.5, 0.5, 0.5]
 
 
-def test_positions_an_outcome_did_not_reach_move_back_toward_the_prior():
+def test_positions_past_a_block_accepted_whole_move_back_toward_the_prior():
     policy = AdaptiveBlock(FLAT, 6, prior=0.5, rate=0.5)
     policy.acceptance = [1.0, 1.0, 0.0, 0.0, 1.0]
     policy.update(3, 2)  # both drafts accepted: positions 3 to 5 not reached
     assert policy.acceptance == [1.0, 1.0, UNREACHED_RATE * 0.5, UNREACHED_RATE * 0.5, 1.0 - UNREACHED_RATE * 0.5]
+    past_a_rejection = list(policy.acceptance)
+    policy.update(3, 0)  # rejected at position 1: position 2 and those past it do not move
+    assert policy.acceptance[1:] == past_a_rejection[1:] and policy.acceptance[0] == 0.5
     before = list(policy.acceptance)
     policy.update(1, 0)  # a plain step drafts nothing: no outcome at all
     assert policy.acceptance == before

@@ -77,14 +77,13 @@ where the text turns predictable. A probe's
 outcome, either kind, weighs ``PROBE_RATE`` in each c_i it reached, more
 than a speculative cycle's ``RATE``.
 
-An outcome says nothing of the positions it did not reach (past its block,
-or past its first rejection), so each moves those c_i back toward the prior
-by ``UNREACHED_RATE``. Without that, a c_i that failing cycles pulled down
-stayed down while the shorter blocks it chose were accepted whole and never
-reached it: on one of the demo pair's held-out prompts the block fell to 3
-in the first cycles and stayed there for the whole reply (253 tokens/s,
-replayed on its recorded acceptance, against 345 at a fixed b = 8; 376
-with the drift back).
+A block accepted whole says nothing of the positions past it, so it moves
+those c_i back toward the prior by ``UNREACHED_RATE``. Without that, a c_i
+that failing cycles pulled down stayed down while the shorter blocks it
+chose were accepted whole and never reached it: on one of the demo pair's
+held-out prompts the block fell to 2 and stayed there for the last 40
+cycles of the reply (173 tokens/s, replayed on its recorded acceptance,
+against 267 at a fixed b = 8; 266 with the drift back).
 
 Given the curve, the contexts and the outcomes, the choices are
 deterministic, unless a ``DriftWatch`` (``drift_watch.py``) scales the costs
@@ -106,7 +105,7 @@ PRIOR_MARGIN = 0.5  # on the prior alone, speculation must beat plain steps by t
 PROBE_RATE = 0.5  # weight of a probe's outcome in each c_i it reached: probes are rare, each counts more
 PROBE_WARMUP = 16  # generated tokens during which a probe that finds nothing does not back the next one off
 PRICE_STEP = 64  # costs are read again each time the context crosses a multiple of this
-UNREACHED_RATE = 0.2  # how far each outcome moves the positions it did not reach back toward the prior
+UNREACHED_RATE = 0.2  # how far a block accepted whole moves the positions past it back toward the prior
 
 
 class BlockPolicy(Protocol):
@@ -341,19 +340,21 @@ class AdaptiveBlock:
             self.failed_probes += 1
 
     def _learn(self, hits: list[float], rate: float) -> None:
-        """Each position an outcome reached moves toward its hit; each it did
-        not reach (past its block, or past its first rejection) moves back
-        toward the prior by ``UNREACHED_RATE``: such an outcome says nothing
-        about them, and an estimate that failed cycles once pulled down would
-        otherwise stay there while the blocks they made too short keep being
-        accepted whole (see the module's docstring)."""
+        """Each position an outcome reached moves toward its hit; where every
+        position it reached was a hit (a block accepted whole), each position
+        past it moves back toward the prior by ``UNREACHED_RATE``: an estimate
+        that failed cycles once pulled down would otherwise stay there while
+        the blocks they made too short keep being accepted whole (see the
+        module's docstring). Past a rejection nothing moves: on text the
+        draft cannot predict, that would bring speculation back without a probe."""
         if not hits:
             return
         self.learned = True
         for i, hit in enumerate(hits[: self.max_block - 1]):
             self.acceptance[i] += rate * (hit - self.acceptance[i])
-        for i in range(len(hits), self.max_block - 1):
-            self.acceptance[i] += UNREACHED_RATE * (self.prior - self.acceptance[i])
+        if all(hit == 1.0 for hit in hits):
+            for i in range(len(hits), self.max_block - 1):
+                self.acceptance[i] += UNREACHED_RATE * (self.prior - self.acceptance[i])
 
 
 class ConfidenceSchedule:
