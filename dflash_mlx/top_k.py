@@ -2,7 +2,7 @@
 instead of one over the whole vocabulary.
 
 MLX's ``argpartition`` over a vocabulary-wide row is slow where it matters:
-its Metal backend sorts the whole row, and its CPU one took 33 ms for 15
+its Metal backend sorts the whole row, and its CPU one took 23-33 ms for 15
 rows of 151,936 (a Qwen vocabulary) on this project's 2-core machine. Split
 each row into chunks, take every chunk's maximum, keep the k chunks with the
 largest maxima, and partition only their k * chunk entries: 1.9 ms there
@@ -10,12 +10,14 @@ largest maxima, and partition only their k * chunk entries: 1.9 ms there
 k = 16 both partitions fit one Metal threadgroup's sort for vocabularies up
 to 262,144.
 
-The k largest entries always lie in those chunks: fewer than k entries
-exceed the k-th largest value t, so fewer than k chunks have a maximum above
-t, and all of them are kept; every other kept chunk has maximum t and gives
-at least one entry equal to t, as many as the top k needs. So the indices
-returned are a top k of the row (which k of several entries tied at t is
-left to the partition, as ``argpartition``'s own choice is).
+The kept entries always hold a top k. Let t be the k-th largest value and m
+(< k) the number of entries above it. Each chunk holding one of those has a
+maximum above t: fewer than k chunks do, and all are kept. If fewer than k
+chunks reach t at all, every one of them is kept, so every entry of at least
+t is; otherwise the k - c other kept chunks (c <= m being those above t)
+each have maximum t, so at least k - m entries equal to t are kept beside
+the m above it. Which of several entries tied at t come back is left to the
+partition, as ``argpartition``'s own choice is.
 """
 
 import mlx.core as mx
