@@ -49,3 +49,11 @@ def top_k_ids(x: mx.array, k: int) -> mx.array:
     entries = mx.take_along_axis(chunks, kept[..., None], axis=-2).reshape(*lead, k * chunk)
     best = mx.argpartition(-entries, k - 1, axis=-1)[..., :k]  # positions within the kept entries
     return (mx.take_along_axis(kept, best // chunk, axis=-1) * chunk + best % chunk).astype(mx.int32)
+
+
+def ranked_top_k(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """(values, ids) [..., k] of the k largest entries of each row, best first."""
+    ids = top_k_ids(x, k)
+    values = mx.take_along_axis(x, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(values, order, axis=-1), mx.take_along_axis(ids, order, axis=-1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..top_k import top_k_ids
+from ..top_k import ranked_top_k
 
 MAX_TOP = 20  # OpenAI's limit on top_logprobs
 
@@ -34,10 +34,7 @@ def picked(rows: mx.array, tokens: list[int], top: int) -> list[Picked]:
     rows = rows.astype(mx.float32)
     chosen = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)[:, 0]
     if top:
-        best = top_k_ids(rows, min(top, rows.shape[-1]))
-        best_values = mx.take_along_axis(rows, best, axis=-1)
-        order = mx.argsort(-best_values, axis=-1)  # best first
-        best, best_values = mx.take_along_axis(best, order, axis=-1), mx.take_along_axis(best_values, order, axis=-1)
+        best_values, best = ranked_top_k(rows, min(top, rows.shape[-1]))
         mx.eval(chosen, best, best_values)
         # ids a response_format's grammar rules out (-inf) are no alternatives: JSON has no -inf
         alternatives = [[(i, v) for i, v in zip(ids, values) if v != -math.inf]

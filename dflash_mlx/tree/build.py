@@ -24,7 +24,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..top_k import top_k_ids
+from ..top_k import ranked_top_k
 
 
 @dataclass
@@ -57,10 +57,7 @@ def top_candidates(logprobs: mx.array, budget: int) -> tuple[mx.array, mx.array]
     k = min(budget, logprobs.shape[-1])
     logprobs = logprobs.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    top = top_k_ids(logprobs, k)
-    values = mx.take_along_axis(logprobs, top, axis=-1)
-    order = mx.argsort(-values, axis=-1)
-    return mx.take_along_axis(values, order, axis=-1), mx.take_along_axis(top, order, axis=-1)
+    return ranked_top_k(logprobs, k)
 
 
 def build_tree(root: int, values: list[list[float]], tokens: list[list[int]], budget: int) -> Tree:
