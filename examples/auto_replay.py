@@ -11,7 +11,10 @@ pricing every cycle on the pair's cost curve for this machine (cached, else
 measured first). The replay makes exactly the loop's cycles
 (tests/test_replay.py), so what differs between the arms is the policy alone;
 where ``dflash-mlx bench`` ranks them otherwise, the curve's prices differ from
-what the cycles cost. Tokens per second here are priced, not timed.
+what the cycles cost. Tokens per second here are priced, not timed. Two
+ceilings are printed beside them: each reply at its own best fixed block (from
+2 to the draft's trained size, or plain steps), and in hindsight (``hindsight``:
+every cycle's block chosen knowing what it will accept), which no policy passes.
 ``--tables`` keeps the records in a file (read back when it exists: the
 prompts' replies are decoded and recorded once, about 10 ms a position and
 block size on the demo pair); ``--curve`` prices on a cached curve file
@@ -25,7 +28,7 @@ from pathlib import Path
 from dflash_mlx import Target, generate, load, load_draft
 from dflash_mlx.atomic import write_text
 from dflash_mlx.bench.prompts import select_prompts
-from dflash_mlx.bench.replay import acceptance_table, replay
+from dflash_mlx.bench.replay import acceptance_table, hindsight, replay
 from dflash_mlx.chat import encode, template_ids
 from dflash_mlx.demo import demo_pair
 from dflash_mlx.loop.block_policy import AdaptiveBlock, FixedBlock
@@ -69,20 +72,25 @@ def recorded() -> list[dict]:
 fixed = [int(b) for b in args.blocks.split(",")]
 arms = {"auto": lambda: AdaptiveBlock(curve, draft.config.block_size)}
 arms.update({f"b={b}": (lambda b=b: FixedBlock(b)) for b in fixed})
-totals = {name: [0, 0.0, 0] for name in arms}  # tokens, seconds, cycles
+ceilings = ("best fixed per reply", "hindsight")
+totals = {name: [0, 0.0, 0] for name in [*arms, *ceilings]}  # tokens, seconds, cycles
 for record in recorded():
-    row = []
-    for name, policy in arms.items():
-        out = replay(record["table"], record["prompt_tokens"], policy(), curve, args.max_tokens)
+    table, prompt_tokens, row = record["table"], record["prompt_tokens"], []
+    every_fixed = [replay(table, prompt_tokens, FixedBlock(b), curve, args.max_tokens)
+                   for b in range(1, draft.config.block_size + 1)]
+    outs = {name: replay(table, prompt_tokens, policy(), curve, args.max_tokens) for name, policy in arms.items()}
+    outs[ceilings[0]] = min(every_fixed, key=lambda out: out.seconds)
+    outs[ceilings[1]] = hindsight(table, prompt_tokens, curve, args.max_tokens)
+    for name, out in outs.items():
         totals[name][0] += out.tokens
         totals[name][1] += out.seconds
         totals[name][2] += len(out.blocks)
         row.append(f"{name} {out.tokens / out.seconds:.0f}")
-    print(f"{record['id']}: {len(record['table'])} tokens, priced tokens/s: " + ", ".join(row), flush=True)
+    print(f"{record['id']}: {len(table)} tokens, priced tokens/s: " + ", ".join(row), flush=True)
 
 rates = {name: tokens / seconds for name, (tokens, seconds, _) in totals.items()}
-best = max((r, name) for name, r in rates.items() if name != "auto")
+best = max((r, name) for name, r in rates.items() if name in arms and name != "auto")
 print(f"\npriced on the curve measured {curve.sizes} (plain step {curve.cycle_seconds(1) * 1e3:.2f} ms):")
 for name, (tokens, seconds, cycles) in totals.items():
-    print(f"  {name:6s} {rates[name]:7.1f} tokens/s  {tokens / cycles:.2f} tokens/cycle")
+    print(f"  {name:20s} {rates[name]:7.1f} tokens/s  {tokens / cycles:.2f} tokens/cycle")
 print(f"auto / best fixed ({best[1]}): {rates['auto'] / best[0]:.3f}x")

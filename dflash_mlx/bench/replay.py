@@ -106,3 +106,31 @@ def replay(table: list[list[int]], prompt_tokens: int, policy, costs, max_tokens
             policy.probed(inflight.block, inflight.hits)
             probe = None if probe is inflight else probe
     return out
+
+
+def hindsight(table: list[list[int]], prompt_tokens: int, costs, max_tokens: int) -> Replayed:
+    """The fastest blocks for the reply whose ``acceptance_table`` is
+    ``table``, chosen knowing every cycle's outcome in advance: the ceiling no
+    block policy passes on these prices. Dynamic programming over the tokens
+    made: from each count, the block whose cycle plus the fastest rest is
+    cheapest (a plain step on a tie), capped at the tokens left as the decoder
+    caps it; priced as ``replay`` prices (no probes: nothing is left to learn)."""
+    limit = min(max_tokens, len(table))
+    widest = len(table[0]) + 1 if table else 1
+    rest = [0.0] * (limit + 1)  # seconds from ``made`` tokens to ``limit``
+    choice = [1] * (limit + 1)
+    for made in range(limit - 1, 0, -1):
+        row = made - 1
+        for b in range(1, min(widest, limit - made) + 1):
+            a = 0 if b == 1 else table[row][b - 2]
+            seconds = costs.cycle_seconds(b, prompt_tokens + row) + rest[made + a + 1]
+            if b == 1 or seconds < rest[made]:
+                rest[made], choice[made] = seconds, b
+    out = Replayed(1, rest[1] if limit > 1 else 0.0, [], [], [])
+    while out.tokens < limit:
+        b = choice[out.tokens]
+        a = 0 if b == 1 else table[out.tokens - 1][b - 2]
+        out.blocks.append(b)
+        out.accepted.append(a)
+        out.tokens += a + 1
+    return out
