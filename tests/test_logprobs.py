@@ -15,8 +15,9 @@ from dflash_mlx.loop.decoder import SpeculativeDecoder
 
 PROMPT = "the quick brown fox"
 # a verify pass computes b positions at once (a DDTree or a GatedDeltaNet recurrence in another
-# order), mlx-lm one at a time: up to 3e-4 apart in float32 with OpenBLAS; a wrong row is O(1) off
-ATOL = 1e-3
+# order), mlx-lm one at a time: up to 3e-4 apart in float32 with OpenBLAS on one machine, 1.6e-3
+# on another (the hybrid target, OpenBLAS choosing its kernels by CPU); a wrong row is O(1) off
+ATOL = 5e-3
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
