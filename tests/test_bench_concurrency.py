@@ -100,6 +100,21 @@ def test_the_demo_pair_speculates_in_a_batch(tmp_path):
     assert "8" in blocks and all(int(b) <= 8 for b in blocks)  # smaller only where fewer tokens are left
 
 
+def test_under_auto_the_warm_up_drafts_at_every_width(target_dirs, draft_dir):
+    """A short auto wave runs plain steps, so the warm-up also drafts at the
+    trained block: the batch's drafting work is first done off the clock."""
+    from mlx_lm import load as mlx_lm_load
+
+    from dflash_mlx import load_draft
+    from dflash_mlx.bench.concurrency import run_concurrency
+
+    model, tokenizer = mlx_lm_load(str(target_dirs["qwen3"]))
+    result = run_concurrency(model, load_draft(str(draft_dir("qwen3", block_size=4))), tokenizer, PROMPTS[:2],
+                             widths=[1, 2], max_tokens=6, block_size="auto", chat_template=False, warmup_tokens=6)
+    assert [w["width"] for w in result["warmup"]] == [1, 2]
+    assert all(max(w["blocks"]) > 1 for w in result["warmup"]), result["warmup"]
+
+
 @pytest.mark.parametrize("value, wanted", [("0", "must be positive"), ("x", "'x' is not an integer"),
                                            ("", "names nothing"), ("2,-1", "must be positive")])
 def test_bad_widths_are_one_error_line(value, wanted):

@@ -177,8 +177,9 @@ def run_concurrency(model, draft, tokenizer, prompts: list[dict], *, widths: lis
     """Every width's waves, each on both sides, ``repeat`` times (repeats the
     outer loop, then widths, then waves; consecutive waves alternate which side
     goes first), then every request decoded alone by our ``generate``; returns
-    the prompts, the runs, the solo replies and the summary per width.
-    ``block_size``: ``"auto"``, an integer, or None (the draft's trained size)."""
+    the prompts, the runs, the solo replies, the summary per width and our
+    warm-up waves' blocks (under auto, a wave at the draft's trained block
+    besides the auto one). ``block_size``: ``"auto"``, an integer, or None (the draft's trained size)."""
     from ..chat import encode, template_ids
     from ..generate import generate
     from ..loop import batch_policy
@@ -203,12 +204,20 @@ def run_concurrency(model, draft, tokenizer, prompts: list[dict], *, widths: lis
             return run_mlx_lm(model, ids, tokens, eos)
         return run_dflash(target, draft, batch_policy(target, draft, block_size), tokenizer, ids, tokens, eos)
 
+    warmup = []  # our warm-up waves' blocks, by width
     if warmup_tokens > 0:  # untimed: weights paged in, buffers of each width allocated
         for w in widths:
+            wave = waves(len(encoded), w)[0]
             for side in (MLX_LM, DFLASH):
                 if on_step:
                     on_step(f"warm-up x{w} {side}")
-                call(side, waves(len(encoded), w)[0], min(warmup_tokens, max_tokens))
+                rec = call(side, wave, min(warmup_tokens, max_tokens))
+            if block_size == "auto":  # a short auto wave runs plain steps: draft too, so that the batch's
+                # drafting kernels are compiled here (on a fresh machine, seconds) and not in a timed wave
+                trained = batch_policy(target, draft, None)
+                rec = run_dflash(target, draft, trained, tokenizer, [encoded[i] for i in wave],
+                                 min(warmup_tokens, max_tokens), eos)
+            warmup.append({"width": w, "blocks": rec["blocks"]})
     runs, unit = [], 0
     for r in range(repeat):
         for w in widths:
@@ -245,7 +254,7 @@ def run_concurrency(model, draft, tokenizer, prompts: list[dict], *, widths: lis
                 req["vs_mlx_lm"] = divergence(model, encoded[i], req, other, eos)
     return {"prompts": [{**{k: v for k, v in p.items() if k != "ids"}, "prompt_tokens": len(ids)}
                         for p, ids in zip(prompts, encoded)],
-            "runs": runs, "solo": solo, "summary": summarize(runs, widths)}
+            "runs": runs, "solo": solo, "summary": summarize(runs, widths), "warmup": warmup}
 
 
 def main_concurrency(*, model: Optional[str], draft: Optional[str], prompts: str, max_tokens: int,
