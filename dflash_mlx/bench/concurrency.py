@@ -198,26 +198,27 @@ def run_concurrency(model, draft, tokenizer, prompts: list[dict], *, widths: lis
     eos = sorted(tokenizer.eos_token_ids)
     batch_policy(target, draft, block_size)  # auto: its curve and batch factors measured (or read) off the clock
 
-    def call(side: str, wave: list[int], tokens: int) -> dict:
+    def call(side: str, wave: list[int], tokens: int, blocks=block_size) -> dict:
         ids = [encoded[i] for i in wave]
         if side == MLX_LM:
             return run_mlx_lm(model, ids, tokens, eos)
-        return run_dflash(target, draft, batch_policy(target, draft, block_size), tokenizer, ids, tokens, eos)
+        return run_dflash(target, draft, batch_policy(target, draft, blocks), tokenizer, ids, tokens, eos)
 
     warmup = []  # our warm-up waves' blocks, by width
     if warmup_tokens > 0:  # untimed: weights paged in, buffers of each width allocated
+        tokens = min(warmup_tokens, max_tokens)
         for w in widths:
             wave = waves(len(encoded), w)[0]
-            for side in (MLX_LM, DFLASH):
-                if on_step:
-                    on_step(f"warm-up x{w} {side}")
-                rec = call(side, wave, min(warmup_tokens, max_tokens))
-            if block_size == "auto":  # a short auto wave runs plain steps: draft too, so that the batch's
-                # drafting kernels are compiled here (on a fresh machine, seconds) and not in a timed wave
-                trained = batch_policy(target, draft, None)
-                rec = run_dflash(target, draft, trained, tokenizer, [encoded[i] for i in wave],
-                                 min(warmup_tokens, max_tokens), eos)
-            warmup.append({"width": w, "blocks": rec["blocks"]})
+            if on_step:
+                on_step(f"warm-up x{w} {MLX_LM}")
+            call(MLX_LM, wave, tokens)
+            if on_step:
+                on_step(f"warm-up x{w} {DFLASH}")
+            ours = call(DFLASH, wave, tokens)
+            if block_size == "auto":  # a short auto wave runs plain steps: draft too (None: the trained
+                # block), so that the batch's drafting kernels are compiled here and not in a timed wave
+                ours = call(DFLASH, wave, tokens, blocks=None)
+            warmup.append({"width": w, "blocks": ours["blocks"]})
     runs, unit = [], 0
     for r in range(repeat):
         for w in widths:
